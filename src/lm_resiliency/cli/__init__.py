@@ -1,0 +1,1 @@
+"""The ``lm-resiliency`` command line."""

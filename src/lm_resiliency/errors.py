@@ -1,0 +1,96 @@
+"""One exception hierarchy for lm-resiliency.
+
+Every error a user can act on derives from :class:`ResiliencyError`. Errors that
+are also classic Python categories (bad argument values, unsupported types)
+additionally derive from ``ValueError``/``TypeError`` so generic handlers still
+catch them.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+
+class ResiliencyError(Exception):
+    """Base class of every error raised by lm-resiliency."""
+
+
+class ConfigError(ResiliencyError, ValueError):
+    """A configuration value is invalid; the message names the field and a valid choice."""
+
+
+class StateEncodingError(ResiliencyError, TypeError):
+    """A value in a captured state tree cannot be encoded safely (raised at capture time)."""
+
+
+class StateSchemaError(ResiliencyError, ValueError):
+    """A state document does not match the versioned schema (malformed, too large, unknown)."""
+
+
+class CaptureError(ResiliencyError):
+    """A background capture failed; raised on the caller's next call with the step named."""
+
+
+class CheckpointFormatError(ResiliencyError):
+    """A node-local shard is not a readable format-v3 file (legacy, foreign or damaged)."""
+
+
+class IntegrityError(CheckpointFormatError):
+    """A shard's checksum is missing or does not match its bytes."""
+
+
+class IdentityMismatch(CheckpointFormatError):
+    """A shard or message belongs to another run, topology, owner rank or step."""
+
+
+class NoConsistentStep(ResiliencyError):
+    """No step is available on every rank (and no fallback was given)."""
+
+
+class ReplicationError(ResiliencyError):
+    """A peer exchange failed, timed out, or carried a mismatched header."""
+
+
+class CollectiveTimeout(ResiliencyError):
+    """A bounded distributed wait expired; the message names rank, peer and operation."""
+
+
+class StepAborted(ResiliencyError):
+    """An MTGS step could not be committed after all retries; names ranks and reasons."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failure: the exception type name, its message and formatted traceback."""
+
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException) -> RankFailure:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(rank=rank, exc_type=type(exc).__name__, message=str(exc), traceback=tb)
+
+
+class RankFailures(ResiliencyError):
+    """Failures of several ranks gathered into one exception (rank -> failure).
+
+    ``failures`` maps each failed rank to its :class:`RankFailure`; the message
+    lists every rank with its error and traceback so one glance at a test log
+    shows which rank failed and where.
+    """
+
+    def __init__(self, summary: str, failures: dict[int, RankFailure]) -> None:
+        self.summary = summary
+        self.failures = dict(sorted(failures.items()))
+        parts = [f"{summary}: {len(self.failures)} rank(s) failed"]
+        for rank, f in self.failures.items():
+            parts.append(f"--- rank {rank}: {f.exc_type}: {f.message}\n{f.traceback.rstrip()}")
+        super().__init__("\n".join(parts))
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.failures)
