@@ -44,6 +44,44 @@ class IdentityMismatch(CheckpointFormatError):
     """A shard or message belongs to another run, topology, owner rank or step."""
 
 
+class ShardUnavailable(CheckpointFormatError):
+    """A node-local shard cannot be used for recovery; nothing from it was returned.
+
+    ``reason`` is a short stable code (``"checksum_mismatch"``, ``"identity_step"``,
+    ... see ``lm_resiliency.persistence.UnavailableReason``) and ``path`` the file.
+    """
+
+    def __init__(self, message: str, *, reason: str, path: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.path = path
+
+
+class ShardIntegrityError(ShardUnavailable, IntegrityError):
+    """A shard is unavailable because its checksum is missing or does not match."""
+
+
+class ShardIdentityMismatch(ShardUnavailable, IdentityMismatch):
+    """A shard is unavailable because it names another run, topology, owner or step."""
+
+
+class UnsafePathError(ResiliencyError):
+    """A path inside the checkpoint folder is a symlink or of the wrong kind; never followed."""
+
+
+class SidecarUnavailable(CheckpointFormatError):
+    """A rank's status sidecar is malformed or names another identity (fails closed).
+
+    ``reason`` is a short stable code (``"malformed"``, ``"identity"``, ``"schema"``,
+    ``"trust"``); callers treat the rank's status as unknown, never as empty.
+    """
+
+    def __init__(self, message: str, *, reason: str, path: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.path = path
+
+
 class NoConsistentStep(ResiliencyError):
     """No step is available on every rank (and no fallback was given)."""
 
@@ -57,7 +95,22 @@ class CollectiveTimeout(ResiliencyError):
 
 
 class StepAborted(ResiliencyError):
-    """An MTGS step could not be committed after all retries; names ranks and reasons."""
+    """An MTGS step could not be committed after all retries; names ranks and reasons.
+
+    ``step`` is the step number and ``reasons`` maps each unhealthy rank to the
+    reason names of its last failed attempt (empty when unknown, e.g. a peer died).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        reasons: dict[int, tuple[str, ...]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.reasons = dict(reasons or {})
 
 
 @dataclass(frozen=True)

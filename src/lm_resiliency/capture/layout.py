@@ -17,10 +17,7 @@ from typing import Any
 import torch
 
 from lm_resiliency.errors import StateSchemaError
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
+from lm_resiliency.state.schema import TORCH_DTYPES as _DTYPES
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -119,9 +116,7 @@ class Layout:
             if not isinstance(rows, list):
                 raise TypeError("tensors is not a list")
             n = len(rows)
-            meta: list[tuple[torch.dtype, tuple[int, ...], int]] = [
-                (torch.uint8, (), 0)
-            ] * n
+            meta: list[tuple[torch.dtype, tuple[int, ...], int]] = [(torch.uint8, (), 0)] * n
             names = [""] * n
             seen = set()
             for row in rows:

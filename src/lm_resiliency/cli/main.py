@@ -16,6 +16,7 @@ from collections.abc import Sequence
 _COMMANDS = (
     "demo",
     "chunk_size",
+    "inspect",
 )
 
 

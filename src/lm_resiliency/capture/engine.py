@@ -1,0 +1,315 @@
+"""The asynchronous capture engine: encode on the caller's thread, copy in the background.
+
+Call order (one thread, the training loop)::
+
+    engine.capture(state, step)   # returns after launching; cost independent of bytes
+    ...forward/backward of the next step...
+    engine.wait_captured()        # before the captured tensors are modified again
+    optimizer.step()
+
+``capture`` encodes the non-tensor state (unsupported values fail here, on the
+caller's thread), picks the target slot and launches the copy: on CUDA the
+device tensors are copied on a side stream that first waits for the current
+stream (one event marks completion); host tensors are copied by the completion
+worker thread (``copy_`` releases the GIL). When the bytes are complete the
+worker publishes the slot and runs the ``after_capture`` hook (replication);
+``wait_captured`` returns once that hook has *started*. The next ``capture``
+waits for the whole previous cycle, so a slot is never reused mid-transfer.
+
+Errors in the worker are recorded and raised as :class:`CaptureError` (naming
+the step) on the caller's next call; they are never swallowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lm_resiliency.capture.layout import Layout
+from lm_resiliency.capture.slot import Slot
+from lm_resiliency.errors import CaptureError
+from lm_resiliency.state import EncodedState, encode_state
+
+log = logging.getLogger(__name__)
+
+# Host copies are split into pieces of this size so a rate limit can pace them and a
+# huge tensor does not hold one core for a whole second.
+_HOST_PIECE_BYTES = 8 * 1024 * 1024
+
+
+@dataclass
+class CaptureStats:
+    """Timings of the hot path; blocking = time in ``capture`` + time in ``wait_captured``."""
+
+    captures: int = 0
+    save_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
+    copy_s: list[float] = field(default_factory=list)
+    allocations: int = 0
+    relayouts: int = 0
+    failures: int = 0
+
+
+@dataclass
+class _Cycle:
+    step: int
+    slot: Slot
+    layout: Layout
+    encoded: EncodedState
+    host_pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    event: Any  # torch.cuda.Event | None
+    start: float
+    captured: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+AfterCapture = Callable[[Slot], None]
+
+
+class CaptureEngine:
+    """Owns the own-state slots and the completion worker of one rank.
+
+    ``num_slots`` own slots rotate: the newest complete capture is always kept
+    while the next one is being filled (``own_current`` / ``own_previous``).
+    ``after_capture(slot)`` runs on the worker once a slot is complete.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        pin_memory: bool = True,
+        rate_limit_bytes_per_s: int | None = None,
+        after_capture: AfterCapture | None = None,
+        num_slots: int = 2,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots={num_slots}: the capture engine needs at least 1 slot")
+        self.rank = rank
+        self.pin_memory = pin_memory
+        self.rate_limit = rate_limit_bytes_per_s
+        self.after_capture = after_capture
+        self.slots = [Slot(f"own_{i}") for i in range(num_slots)]
+        self.stats = CaptureStats()
+        self._layout: Layout | None = None
+        self._layout_key: tuple[Any, ...] | None = None
+        self._cycle: _Cycle | None = None
+        self._pending_error: BaseException | None = None
+        self._jobs: list[_Cycle] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._stream: Any = None
+        self._worker = threading.Thread(target=self._run, name=f"lmr-capture-r{rank}", daemon=True)
+        self._worker.start()
+
+    # ----------------------------------------------------------------- caller side
+    @property
+    def current(self) -> Slot:
+        """``own_current``: the slot of the newest (or in-flight) capture."""
+        return self.slots[0]
+
+    @property
+    def previous(self) -> Slot | None:
+        """``own_previous``: the prior complete capture (None with a single slot)."""
+        return self.slots[1] if len(self.slots) > 1 else None
+
+    def capture(self, state: Any, step: int) -> None:
+        """Launch the capture of ``state`` at ``step``; returns without waiting for bytes.
+
+        Waits for the previous cycle (copy and replication) first. Raises
+        ``StateEncodingError`` for unsupported values and ``CaptureError`` for a
+        failure of an earlier background cycle.
+        """
+        t0 = time.perf_counter()
+        self._finish_previous()
+        encoded = encode_state(state)
+        layout = self._layout_for(encoded)
+        slot = self._rotate()
+        device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        host_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        on_device = any(t.device.type == "cuda" for t in encoded.tensors)
+        if on_device:
+            # Device copies are enqueued now, so a source freed by the caller right after
+            # save() cannot be reused by the allocator before our copy ran.
+            if slot.prepare(layout, pin=self.pin_memory):
+                self.stats.allocations += 1
+            for dst, src in zip(slot.views(), encoded.tensors, strict=True):
+                (device_pairs if src.device.type == "cuda" else host_pairs).append((dst, src))
+        event = self._launch_device(device_pairs) if device_pairs else None
+        # Host-only states: the worker sizes the arena (pre-faulting is slow) and copies.
+        cycle = _Cycle(step, slot, layout, encoded, host_pairs, event, t0)
+        with self._cv:
+            self._cycle = cycle
+            self._jobs.append(cycle)
+            self._cv.notify()
+        self.stats.captures += 1
+        self.stats.save_s.append(time.perf_counter() - t0)
+
+    def wait_captured(self) -> None:
+        """Block until the in-flight capture's bytes are complete and its follow-up started.
+
+        Call before modifying the captured tensors again. Cheap when nothing is in flight.
+        """
+        cycle = self._cycle
+        if cycle is None:
+            self._raise_pending()
+            return
+        t0 = time.perf_counter()
+        cycle.captured.wait()
+        self.stats.wait_s.append(time.perf_counter() - t0)
+        self._raise_pending()
+
+    def wait_idle(self) -> None:
+        """Block until the in-flight cycle (including its follow-up) has finished."""
+        self._finish_previous()
+
+    def complete_slots(self) -> list[Slot]:
+        """The complete own slots, newest step first."""
+        done = [s for s in self.slots if s.complete and s.step is not None]
+        return sorted(done, key=lambda s: s.step or 0, reverse=True)
+
+    def arena_bytes(self) -> int:
+        return sum(s.arena_bytes for s in self.slots)
+
+    def close(self) -> None:
+        """Finish the in-flight cycle, stop the worker and free every arena."""
+        if self._closed:
+            return
+        try:
+            self._finish_previous(raise_errors=False)
+        finally:
+            with self._cv:
+                self._closed = True
+                self._cv.notify()
+            self._worker.join(timeout=60)
+            for s in self.slots:
+                s.free()
+
+    # ----------------------------------------------------------------- internals
+    def _finish_previous(self, raise_errors: bool = True) -> None:
+        cycle = self._cycle
+        if cycle is not None:
+            cycle.finished.wait()
+        if raise_errors:
+            self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        err = self._pending_error
+        if err is not None:
+            self._pending_error = None
+            raise err
+
+    def _layout_for(self, encoded: EncodedState) -> Layout:
+        key = (Layout.signature(encoded.tensors), tuple(encoded.names))
+        if self._layout is None or key != self._layout_key:
+            new = Layout.from_tensors(encoded.tensors, encoded.names)
+            if self._layout is not None:
+                self.stats.relayouts += 1
+                log.info(
+                    "rank %d: state structure changed (%d -> %d tensors, %d -> %d bytes); "
+                    "rebuilding the layout and reallocating slots as they are reused",
+                    self.rank,
+                    len(self._layout.specs),
+                    len(new.specs),
+                    self._layout.total_bytes,
+                    new.total_bytes,
+                )
+            self._layout, self._layout_key = new, key
+        return self._layout
+
+    def _rotate(self) -> Slot:
+        """Make the oldest slot the new ``own_current`` target; keeps every complete newer one."""
+        cur = self.slots[0]
+        if cur.complete:
+            # Newest complete capture becomes own_previous; the oldest buffer is reused.
+            self.slots = [self.slots[-1], *self.slots[:-1]]
+        return self.slots[0]
+
+    def _launch_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._closed)
+                if not self._jobs:
+                    return
+                cycle = self._jobs.pop(0)
+            self._run_cycle(cycle)
+
+    def _run_cycle(self, cycle: _Cycle) -> None:
+        slot = cycle.slot
+        try:
+            t0 = time.perf_counter()
+            if cycle.event is None:
+                if slot.prepare(cycle.layout, pin=self.pin_memory):
+                    self.stats.allocations += 1
+                pairs = list(zip(slot.views(), cycle.encoded.tensors, strict=True))
+                self._copy_host(pairs)
+            else:
+                self._copy_host(cycle.host_pairs)
+                cycle.event.synchronize()
+            self.stats.copy_s.append(time.perf_counter() - t0)
+            slot.publish(cycle.step, cycle.encoded.document, self.rank)
+        except BaseException as exc:  # recorded and raised on the caller's next call
+            slot.invalidate()
+            self.stats.failures += 1
+            err = CaptureError(f"rank {self.rank}: capture of step {cycle.step} failed: {exc!r}")
+            err.__cause__ = exc
+            self._pending_error = err
+            cycle.captured.set()
+            cycle.finished.set()
+            return
+        try:
+            if self.after_capture is not None:
+                # wait_captured() may return now: the follow-up (replication) is launched.
+                cycle.captured.set()
+                self.after_capture(slot)
+        except BaseException as exc:
+            err = CaptureError(
+                f"rank {self.rank}: follow-up of captured step {cycle.step} failed: {exc!r}"
+            )
+            err.__cause__ = exc
+            self._pending_error = err
+        finally:
+            cycle.captured.set()
+            cycle.finished.set()
+
+    def _copy_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        limit = self.rate_limit
+        if limit is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        start = time.perf_counter()
+        done = 0
+        for dst, src in pairs:
+            if not src.is_contiguous():
+                dst.copy_(src)
+                done += dst.numel() * dst.element_size()
+                continue
+            flat_dst, flat_src = dst.view(-1), src.view(-1)
+            step = max(1, _HOST_PIECE_BYTES // max(1, src.element_size()))
+            for i in range(0, flat_src.numel(), step):
+                flat_dst[i : i + step].copy_(flat_src[i : i + step])
+                done += min(step, flat_src.numel() - i) * src.element_size()
+                ahead = done / limit - (time.perf_counter() - start)
+                if ahead > 0:
+                    time.sleep(ahead)
