@@ -8,10 +8,14 @@ Call order (one thread, the training loop)::
     optimizer.step()
 
 ``capture`` encodes the non-tensor state (unsupported values fail here, on the
-caller's thread), picks the target slot and launches the copy: on CUDA the
-device tensors are copied on a side stream that first waits for the current
-stream (one event marks completion); host tensors are copied by the completion
-worker thread (``copy_`` releases the GIL). When the bytes are complete the
+caller's thread), picks the target slot, records one CUDA event per device on
+the current stream and hands the cycle to the completion worker. The worker
+sizes the slot's arena (allocation and pre-faulting stay off the training
+thread), enqueues the device tensors' copies on a side stream that first waits
+for that event, copies host tensors itself (``copy_`` releases the GIL) and waits
+for the side stream's completion event. The cycle holds a reference to every
+source until its copy completed, so a source the caller drops right after
+``save()`` cannot have its memory reused early. When the bytes are complete the
 worker publishes the slot and runs the ``after_capture`` hook (replication);
 ``wait_captured`` returns once that hook has *started*. The next ``capture``
 waits for the whole previous cycle, so a slot is never reused mid-transfer.
@@ -62,8 +66,7 @@ class _Cycle:
     slot: Slot
     layout: Layout
     encoded: EncodedState
-    host_pairs: list[tuple[torch.Tensor, torch.Tensor]]
-    event: Any  # torch.cuda.Event | None
+    ready: dict[torch.device, Any]  # device -> torch.cuda.Event recorded in save()
     start: float
     captured: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -105,7 +108,7 @@ class CaptureEngine:
         self._jobs: list[_Cycle] = []
         self._cv = threading.Condition()
         self._closed = False
-        self._stream: Any = None
+        self._streams: dict[torch.device, Any] = {}
         self._worker = threading.Thread(target=self._run, name=f"lmr-capture-r{rank}", daemon=True)
         self._worker.start()
 
@@ -132,19 +135,12 @@ class CaptureEngine:
         encoded = encode_state(state)
         layout = self._layout_for(encoded)
         slot = self._rotate()
-        device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        host_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        on_device = any(t.device.type == "cuda" for t in encoded.tensors)
-        if on_device:
-            # Device copies are enqueued now, so a source freed by the caller right after
-            # save() cannot be reused by the allocator before our copy ran.
-            if slot.prepare(layout, pin=self.pin_memory):
-                self.stats.allocations += 1
-            for dst, src in zip(slot.views(), encoded.tensors, strict=True):
-                (device_pairs if src.device.type == "cuda" else host_pairs).append((dst, src))
-        event = self._launch_device(device_pairs) if device_pairs else None
-        # Host-only states: the worker sizes the arena (pre-faulting is slow) and copies.
-        cycle = _Cycle(step, slot, layout, encoded, host_pairs, event, t0)
+        # Device tensors: remember where the compute stream is now; the worker's side
+        # stream waits for this event before copying. The cycle keeps a reference to
+        # every source tensor until its copy completed, so the caching allocator cannot
+        # hand a source's memory to new work even if the caller drops it right away.
+        ready = self._record_ready(encoded.tensors)
+        cycle = _Cycle(step, slot, layout, encoded, ready, t0)
         with self._cv:
             self._cycle = cycle
             self._jobs.append(cycle)
@@ -232,18 +228,34 @@ class CaptureEngine:
             self.slots = [self.slots[-1], *self.slots[:-1]]
         return self.slots[0]
 
-    def _launch_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-                src.record_stream(stream)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+    @staticmethod
+    def _record_ready(tensors: list[torch.Tensor]) -> dict[torch.device, Any]:
+        ready: dict[torch.device, Any] = {}
+        for t in tensors:
+            if t.device.type == "cuda" and t.device not in ready:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(t.device))
+                ready[t.device] = event
+        return ready
+
+    def _launch_device(
+        self, cycle: _Cycle, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[Any]:
+        """Enqueue device->host copies on one side stream per device; returns their events."""
+        done = []
+        for device, ready in cycle.ready.items():
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                for dst, src in pairs:
+                    if src.device == device:
+                        dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            done.append(event)
+        return done
 
     def _run(self) -> None:
         while True:
@@ -258,14 +270,18 @@ class CaptureEngine:
         slot = cycle.slot
         try:
             t0 = time.perf_counter()
-            if cycle.event is None:
-                if slot.prepare(cycle.layout, pin=self.pin_memory):
-                    self.stats.allocations += 1
-                pairs = list(zip(slot.views(), cycle.encoded.tensors, strict=True))
-                self._copy_host(pairs)
+            if slot.prepare(cycle.layout, pin=self.pin_memory):
+                self.stats.allocations += 1
+            pairs = list(zip(slot.views(), cycle.encoded.tensors, strict=True))
+            if cycle.ready:
+                # Device copies are enqueued first; host copies overlap them.
+                on_dev = [p for p in pairs if p[1].device.type == "cuda"]
+                events = self._launch_device(cycle, on_dev)
+                self._copy_host([p for p in pairs if p[1].device.type != "cuda"])
+                for event in events:
+                    event.synchronize()
             else:
-                self._copy_host(cycle.host_pairs)
-                cycle.event.synchronize()
+                self._copy_host(pairs)
             self.stats.copy_s.append(time.perf_counter() - t0)
             slot.publish(cycle.step, cycle.encoded.document, self.rank)
         except BaseException as exc:  # recorded and raised on the caller's next call
