@@ -1,0 +1,1 @@
+"""Thin adapters to training frameworks; import the submodule you need (``integrations.ddp``)."""
