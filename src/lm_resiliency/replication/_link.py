@@ -1,0 +1,139 @@
+"""One transfer's view of an edge: bounded operations that raise with full context.
+
+Every operation names this rank, the peer, the step and what was being done when
+it fails; a transport failure also marks the edge broken so that both endpoints
+rebuild it before their next transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lm_resiliency.errors import ReplicationError
+from lm_resiliency.replication._edge import Edge, describe_failure
+from lm_resiliency.replication._wire import Frame, Tag, empty_frame
+
+Progress = Callable[[str, int, int], None]
+"""``progress(direction, done_bytes, total_bytes)``; direction is ``"send"`` or ``"recv"``."""
+
+Validator = Callable[[dict[str, Any]], None]
+"""Extra header check run after the built-in ones; raise to reject the header."""
+
+Allocator = Callable[[dict[str, Any]], torch.Tensor]
+"""Returns the destination arena for a validated header (flat uint8 CPU tensor)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Transport tunables shared by every transfer of a channel."""
+
+    chunk_bytes: int
+    max_in_flight: int
+    max_header_bytes: int
+    progress: Progress | None = None
+
+
+class Link:
+    """One transfer's bounded operations on an edge, with context for errors."""
+
+    def __init__(self, edge: Edge, step: int, direction: str) -> None:
+        self.edge = edge
+        self.step = step
+        self.direction = direction
+
+    def error(self, operation: str, detail: str) -> ReplicationError:
+        if operation.startswith(("send", "receive")):
+            prep = "to" if operation.startswith("send") else "from"
+        else:
+            prep = "to" if self.direction == "send" else "from"
+        return ReplicationError(
+            f"rank {self.edge.rank}: {operation} {prep} peer {self.edge.peer} for step "
+            f"{self.step} failed: {detail}"
+        )
+
+    def _transport_error(self, operation: str, exc: RuntimeError) -> ReplicationError:
+        self.edge.mark_broken()
+        return self.error(
+            operation,
+            f"{describe_failure(exc)}; edge {self.edge.name} will be rebuilt at the next transfer",
+        )
+
+    def send(self, tensor: torch.Tensor, tag: Tag, operation: str) -> Any:
+        try:
+            return self.edge.post_send(tensor, int(tag))
+        except RuntimeError as exc:
+            raise self._transport_error(operation, exc) from exc
+
+    def recv(self, tensor: torch.Tensor, tag: Tag, operation: str) -> Any:
+        try:
+            return self.edge.post_recv(tensor, int(tag))
+        except RuntimeError as exc:
+            raise self._transport_error(operation, exc) from exc
+
+    def wait(self, work: Any, operation: str) -> None:
+        try:
+            self.edge.wait(work)
+        except RuntimeError as exc:
+            raise self._transport_error(operation, exc) from exc
+
+    def frame(self, tag: Tag, operation: str) -> Frame:
+        buf = empty_frame()
+        self.wait(self.recv(buf, tag, operation), operation)
+        try:
+            return Frame.unpack(buf)
+        except ReplicationError as exc:
+            self.edge.mark_broken()
+            raise self.error(operation, str(exc)) from None
+
+    def protocol_error(self, operation: str, detail: str) -> ReplicationError:
+        self.edge.mark_broken()
+        return self.error(operation, f"protocol error: {detail}")
+
+
+def _chunks(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    return [(o, min(chunk_bytes, total_bytes - o)) for o in range(0, total_bytes, chunk_bytes)]
+
+
+def stream(
+    link: Link, arena: torch.Tensor, total_bytes: int, chunk_bytes: int, limits: Limits
+) -> None:
+    """Move ``arena[:total_bytes]`` in chunks, ``max_in_flight`` outstanding at once."""
+    sending = link.direction == "send"
+    post = link.send if sending else link.recv
+    verb = "send" if sending else "receive"
+    chunks = _chunks(total_bytes, chunk_bytes)
+    pending: deque[tuple[Any, int, int]] = deque()
+    done = 0
+
+    def retire() -> None:
+        nonlocal done
+        work, index, nbytes = pending.popleft()
+        link.wait(work, f"{verb} chunk {index + 1}/{len(chunks)}")
+        done += nbytes
+        if limits.progress is not None:
+            limits.progress(link.direction, done, total_bytes)
+
+    try:
+        for index, (offset, nbytes) in enumerate(chunks):
+            if len(pending) >= limits.max_in_flight:
+                retire()
+            what = f"{verb} chunk {index + 1}/{len(chunks)}"
+            pending.append((post(arena[offset : offset + nbytes], Tag.CHUNK, what), index, nbytes))
+        while pending:
+            retire()
+    except BaseException:
+        # Settle what is still posted before giving up on the arena, so that nothing
+        # reads from it (the caller may overwrite it) or writes into it (the caller
+        # will not trust it) after this returns. After a transport failure Gloo has
+        # closed the connection and these waits fail at once; after anything else
+        # (a progress callback raised) they finish or time out.
+        for work, _, _ in pending:
+            with contextlib.suppress(RuntimeError):
+                link.edge.wait(work)
+        raise
