@@ -37,7 +37,8 @@ def test_contract_loop_on_two_ranks_recovers_the_newest_step_bit_exactly() -> No
 
 
 def _partial_newer_step(rank: int, world: int) -> tuple:
-    cfg = InMemoryCkptConfig(replication_jump=1, disk_flush_interval=0)
+    # rank 2 never captures step 20, so replication of step 20 times out (quickly here)
+    cfg = InMemoryCkptConfig(replication_jump=1, disk_flush_interval=0, replication_timeout_s=3)
     with InMemoryCheckpointManager(cfg) as manager:
         manager.save({"t": torch.full((3,), 10.0 + rank)}, 10)
         manager.maybe_wait()

@@ -12,14 +12,24 @@ Call order on every rank (the contract's training loop)::
     manager.close()
 
 and on recovery, on every rank: ``step = manager.find_latest()`` then
-``state = manager.load(step)``. ``save``, ``maybe_wait`` and ``close`` are
-local calls (replication pairs ranks in the background); ``find_latest`` and
-``load`` are collective over the manager's process group.
+``state = manager.load(step)``.
+
+Which calls are collective: the constructor (agrees the run id and topology
+fingerprint, connects the replication edges), ``find_latest``, ``load`` and
+``close`` run on every rank of the group. ``save`` and ``maybe_wait`` are local;
+replication pairs ranks in the background, so every rank must ``save`` the same
+steps (the contract loop does).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -27,20 +37,53 @@ import torch.distributed as dist
 
 from lm_resiliency.capture.engine import CaptureEngine, CaptureStats
 from lm_resiliency.capture.slot import Slot
+from lm_resiliency.checkpointing.flush import DiskFlusher, FlushStats
+from lm_resiliency.checkpointing.peer import PeerReplicas, ReplicationStats
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.errors import NoConsistentStep, ResiliencyError
-from lm_resiliency.recovery.select import RecoveryMode, agree_on_step
+from lm_resiliency.persistence import (
+    ShardStore,
+    TrustStatus,
+    agree_job_fingerprint,
+    install_flush_on_signal,
+    resolve_run_id,
+    topology_fingerprint,
+)
+from lm_resiliency.recovery.availability import (
+    Report,
+    Source,
+    gather_reports,
+    newest_common_step,
+    source_table,
+)
+from lm_resiliency.recovery.loader import FetchContext, Material, fetch_step
+from lm_resiliency.recovery.select import RecoveryMode
+from lm_resiliency.replication import PairingPlan, ReplicationChannel, resolve_jump
 from lm_resiliency.state import decode_state
 
 log = logging.getLogger(__name__)
 
 
-class InMemoryCheckpointManager:
-    """GEMINI for one rank. Not part of the stable API (see ``enable_resiliency``).
+@dataclass
+class RecoveryReport:
+    """What one ``load`` did: the step, each rank's source, bytes moved, time per phase."""
 
-    ``group`` is the process group whose ranks checkpoint together (default:
-    the world, when a default group exists; a single-process manager works
-    without any process group).
+    step: int | None
+    sources: list[str]
+    bytes_moved: int
+    walked_back_from: list[int] = field(default_factory=list)
+    phases_s: dict[str, float] = field(default_factory=dict)
+
+
+class InMemoryCheckpointManager:
+    """GEMINI for one rank. Not part of the stable API (see the README).
+
+    ``group``: the ranks that checkpoint together (default: the world when a
+    default process group exists; without one the manager is single-process).
+    ``hsdp_replicated``: the caller's 2-D mesh already holds every shard on a
+    replica rank; with ``skip_replication_if_hsdp`` no peer transfer happens
+    and only the two own slots exist. ``load_fallback``: called by ``load`` when
+    no GEMINI step is available on every rank (the framework's durable checkpoint).
     """
 
     def __init__(
@@ -48,22 +91,60 @@ class InMemoryCheckpointManager:
         config: InMemoryCkptConfig | None = None,
         *,
         group: dist.ProcessGroup | None = None,
+        hsdp_replicated: bool = False,
+        load_fallback: Callable[[], Any] | None = None,
     ) -> None:
-        self.config = config or InMemoryCkptConfig()
+        self.config = cfg = config or InMemoryCkptConfig()
         self._distributed = dist.is_available() and dist.is_initialized()
         self.group = (
             group if group is not None else (dist.group.WORLD if self._distributed else None)
         )
         self.rank = dist.get_rank(self.group) if self._distributed else 0
         self.world_size = dist.get_world_size(self.group) if self._distributed else 1
-        self._verified: set[int] = set()
+        self.load_fallback = load_fallback
+        self.last_recovery: RecoveryReport | None = None
         self._closed = False
+        self._verified: set[int] = set()
+        self._last_flushed: int | None = None
+        self._pg = self.group if self._distributed else None
+        self.run_id = resolve_run_id(cfg.run_id, group=self._pg)
+        skip = cfg.skip_replication_if_hsdp and hsdp_replicated
+        jump = None if skip else resolve_jump(cfg.replication_jump, self.world_size).jump
+        self.plan: PairingPlan | None = (
+            None if skip or jump is None else PairingPlan.build(self.world_size, jump)
+        )
+        pairs = self.plan.table() if self.plan is not None else []
+        group_fp = topology_fingerprint(list(range(self.world_size)), pairs)
+        self.topology = agree_job_fingerprint(group_fp, group=self._pg)
+        self._peer: PeerReplicas | None = None
+        if self.plan is not None and self.plan.has_peer and cfg.enable:
+            channel = ReplicationChannel(
+                self.plan,
+                run_id=self.run_id,
+                rank=self.rank,
+                chunk_bytes=cfg.replication_chunk_size,
+                timeout_s=cfg.replication_timeout_s,
+            )
+            self._peer = PeerReplicas(
+                channel, self.plan, rank=self.rank, run_id=self.run_id, pin_memory=cfg.pin_memory
+            )
+        self._store: ShardStore | None = None
+        self._store_lock = threading.Lock()
+        self._flusher = DiskFlusher(self.store, trust=self._trust)
         self._engine = CaptureEngine(
             rank=self.rank,
-            pin_memory=self.config.pin_memory,
-            rate_limit_bytes_per_s=self.config.copy_rate_limit_bytes_per_s,
+            pin_memory=cfg.pin_memory,
+            rate_limit_bytes_per_s=cfg.copy_rate_limit_bytes_per_s,
             after_capture=self._after_capture,
         )
+        self._signal = None
+        if cfg.enable and cfg.signal_flush:
+            if threading.current_thread() is threading.main_thread():
+                self._signal = install_flush_on_signal(
+                    self.flush_newest, deadline_s=cfg.signal_flush_deadline_s
+                )
+            else:
+                log.info("manager built off the main thread: no SIGTERM/SIGINT flush installed")
 
     # ------------------------------------------------------------------ capture
     def save(self, state: Any, step: int) -> None:
@@ -93,55 +174,230 @@ class InMemoryCheckpointManager:
         self._engine.wait_captured()
 
     def _after_capture(self, slot: Slot) -> None:
-        """Runs on the completion worker once ``slot`` is complete."""
+        """Completion worker: replicate the fresh capture, then schedule its flush."""
+        if self._peer is not None:
+            self._peer.replicate(slot)
+        step = slot.step
+        every = self.config.disk_flush_interval
+        due = self._last_flushed is None or (step or 0) - self._last_flushed >= every
+        if every and step is not None and due:
+            self._last_flushed = step
+            self._flusher.submit(self._slots_at(step))
+
+    def _slots_at(self, step: int) -> list[Slot]:
+        slots = [s for s in self._engine.complete_slots() if s.step == step]
+        if self._peer is not None:
+            slots += [s for s in self._peer.complete_slots() if s.step == step]
+        return slots
+
+    def flush_newest(self) -> list[int]:
+        """Synchronously persist the newest complete own and peer slot (the signal path)."""
+        newest = self._engine.complete_slots()[:1]
+        if self._peer is not None:
+            newest += self._peer.complete_slots()[:1]
+        written = self._flusher.flush_newest(newest, self.config.signal_flush_deadline_s)
+        log.info("rank %d: flushed steps %s to %s", self.rank, written, self.config.disk_folder)
+        return written
+
+    def wait_persisted(self, timeout_s: float | None = None) -> bool:
+        """Block until every scheduled node-local write finished (for tests and shutdown)."""
+        self._engine.wait_idle()
+        return self._flusher.wait_idle(timeout_s)
+
+    # ------------------------------------------------------------------ persistence
+    def store(self) -> ShardStore:
+        """This rank's node-local shard store (created on first use)."""
+        with self._store_lock:
+            if self._store is None:
+                self._store = ShardStore(
+                    self.config.disk_folder,
+                    run_id=self.run_id,
+                    topology=self.topology,
+                    rank=self.rank,
+                    verify_integrity=self.config.verify_integrity,
+                    keep_generations=self.config.keep_generations,
+                )
+            return self._store
+
+    def _trust(self, step: int) -> TrustStatus:
+        return TrustStatus.RECOVERY_VERIFIED if step in self._verified else TrustStatus.UNVERIFIED
+
+    def mark_verified(self, step: int) -> None:
+        """Record ``step`` as recovery-verified (normally SCOUT certification does this)."""
+        self._verified.add(step)
+        self.store().mark_verified(step)
 
     # ------------------------------------------------------------------ recovery
-    def mark_verified(self, step: int) -> None:
-        """Record ``step`` as recovery-verified (normally done by SCOUT certification)."""
-        self._verified.add(step)
+    def _report(self) -> Report:
+        own_mem = {s.step for s in self._engine.complete_slots() if s.step is not None}
+        held_mem: set[int] = set()
+        if self._peer is not None:
+            held_mem = {s.step for s in self._peer.complete_slots() if s.step is not None}
+        own_disk: set[int] = set()
+        held_disk: set[int] = set()
+        verified = set(self._verified)
+        # Files can only exist where the folder does; never create it just to look.
+        if self._store is not None or Path(self.config.disk_folder).is_dir():
+            store = self.store()
+            own_disk = set(store.steps(self.rank))
+            if self.plan is not None and self.plan.has_peer:
+                held_disk = set(store.steps(self.plan.recv_from(self.rank)))
+            status = store.status()
+            verified |= set(status.verified_history)
+            if status.verified_step is not None:
+                verified.add(status.verified_step)
+        return Report(
+            frozenset(own_mem),
+            frozenset(own_disk),
+            frozenset(held_mem),
+            frozenset(held_disk),
+            frozenset(verified),
+        )
 
-    def available_steps(self) -> set[int]:
-        """Steps of this rank's own state that it can obtain right now."""
-        return {s.step for s in self._engine.complete_slots() if s.step is not None}
+    def _holder_of(self, rank: int) -> int | None:
+        if self.plan is None or not self.plan.has_peer:
+            return None
+        return self.plan.send_to(rank)
+
+    def _gather(self, mode: RecoveryMode) -> tuple[list[dict[int, Source]], set[int]]:
+        self._engine.wait_idle()
+        self._flusher.wait_idle()
+        reports = gather_reports(self._report(), group=self._pg)
+        table = source_table(reports, self._holder_of)
+        common = set(table[0]).intersection(*table[1:]) if table else set()
+        if mode is RecoveryMode.RECOVERY_VERIFIED:
+            common = {s for s in common if all(s in r.verified for r in reports)}
+        return table, common
 
     def find_latest(self, mode: RecoveryMode = RecoveryMode.LATEST) -> int | None:
-        """Collective: the newest step every rank can load, or ``None``.
+        """Collective: the newest step every rank can obtain, or ``None``.
 
-        Every rank of the manager's group must call it. A newer step present on
-        only part of the job is never chosen. ``RecoveryMode.RECOVERY_VERIFIED``
-        restricts the choice to verified steps.
+        Each rank reports its own memory slots, its own node-local files and
+        what it holds for its peer (memory and disk); a newer step present on
+        only part of the job is never chosen. ``RECOVERY_VERIFIED`` restricts
+        the choice to steps every rank recorded as verified.
         """
         self._check_open()
-        self._engine.wait_idle()
-        steps = self.available_steps()
-        if mode is RecoveryMode.RECOVERY_VERIFIED:
-            steps &= self._verified
-        return agree_on_step(steps, group=self.group if self._distributed else None)
+        table, common = self._gather(RecoveryMode(mode))
+        return newest_common_step(table, allowed=lambda s: s in common)
 
-    def load(self, step: int) -> Any:
-        """Collective: this rank's state tree at ``step`` exactly as passed to ``save``.
+    def load(self, step: int | None = None, *, mode: RecoveryMode = RecoveryMode.LATEST) -> Any:
+        """Collective: this rank's state tree at ``step`` (default: the newest common one).
 
-        Tensors come back as CPU tensors, bit-identical to the captured ones
-        (fresh tensors, not views of the manager's arenas). Raises
-        ``NoConsistentStep`` when this rank cannot obtain ``step``.
+        Each rank obtains its state from its cheapest source (own memory, own
+        disk, peer memory, peer disk), validated before anything is returned.
+        If any rank's state fails validation, every rank walks back to the next
+        older common step (LATEST) or fails closed (RECOVERY_VERIFIED). Without
+        any GEMINI step, ``load_fallback()`` is returned when given. Tensors are
+        CPU tensors, bit-identical to the captured ones. ``last_recovery`` then
+        says which step and sources were used. Raises ``NoConsistentStep``.
         """
         self._check_open()
-        self._engine.wait_idle()
-        for slot in self._engine.complete_slots():
-            if slot.step == step:
-                with slot.reading(step):
-                    assert slot.document is not None
-                    tensors = [v.clone() for v in slot.views()]
-                    return decode_state(slot.document, tensors)
+        mode = RecoveryMode(mode)
+        t0 = time.perf_counter()
+        table, common = self._gather(mode)
+        t_agree = time.perf_counter() - t0
+        if step is not None and step not in common:
+            raise NoConsistentStep(
+                f"step {step} is not available on every rank in mode {mode.value}; "
+                f"common steps: {sorted(common)}. Call find_latest() first on every rank."
+            )
+        candidates = sorted((s for s in common if step is None or s <= step), reverse=True)
+        ctx = self._fetch_context()
+        failed: list[int] = []
+        for s in candidates:
+            t1 = time.perf_counter()
+            fetched = fetch_step(s, table, ctx)
+            if fetched is None:
+                failed.append(s)
+                if mode is RecoveryMode.RECOVERY_VERIFIED:
+                    raise NoConsistentStep(
+                        f"verified step {s} failed validation on at least one rank; "
+                        "failing closed (RECOVERY_VERIFIED never falls back to unverified state)"
+                    )
+                log.warning("rank %d: step %d unusable on some rank; walking back", self.rank, s)
+                continue
+            m = fetched.material
+            state = decode_state(m.document, m.layout.views(m.arena))
+            self._record(
+                RecoveryReport(
+                    s,
+                    [t[s].label for t in table],
+                    fetched.bytes_moved,
+                    failed,
+                    {"agree": t_agree, "fetch": time.perf_counter() - t1},
+                )
+            )
+            return state
+        if self.load_fallback is not None:
+            self._record(RecoveryReport(None, [Source.FALLBACK.label] * self.world_size, 0, failed))
+            return self.load_fallback()
         raise NoConsistentStep(
-            f"rank {self.rank} holds no complete capture of step {step}; "
-            f"available: {sorted(self.available_steps())}. Call find_latest() first."
+            f"rank {self.rank}: no {mode.value} GEMINI step is available on every rank "
+            f"(tried {failed or 'none'}) and no load_fallback was given; pass "
+            "load_fallback=<load your durable checkpoint> to recover from it"
         )
+
+    def _record(self, report: RecoveryReport) -> None:
+        self.last_recovery = report
+        log.info("gemini.recovery %s", json.dumps({"rank": self.rank, **asdict(report)}))
+
+    def _fetch_context(self) -> FetchContext:
+        def own_memory(step: int) -> Material | None:
+            for slot in self._engine.complete_slots():
+                if slot.step == step:
+                    return _material(slot, step)
+            return None
+
+        def held_memory(step: int) -> Material | None:
+            for slot in self._peer.complete_slots() if self._peer is not None else []:
+                if slot.step == step:
+                    return _material(slot, step)
+            return None
+
+        def disk(owner: int) -> Callable[[int], Material]:
+            def read(step: int) -> Material:
+                shard = self.store().read(owner_rank=owner, step=step)
+                return Material(shard.layout, shard.arena, shard.state_document)
+
+            return read
+
+        peer_owner = self.plan.recv_from(self.rank) if self.plan and self.plan.has_peer else -1
+        return FetchContext(
+            rank=self.rank,
+            group=self._pg,
+            run_id=self.run_id,
+            plan=self.plan,
+            channel=self._peer.channel if self._peer is not None else None,
+            own_memory=own_memory,
+            own_disk=disk(self.rank),
+            held_memory=held_memory,
+            held_disk=disk(peer_owner),
+        )
+
+    def drop_memory(self) -> None:
+        """Forget every in-memory slot, as a replaced process would (tests and drills)."""
+        self._engine.wait_idle()
+        self._flusher.wait_idle()
+        for s in self._engine.slots:
+            s.free()
+        if self._peer is not None:
+            for s in self._peer.slots:
+                s.free()
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def stats(self) -> CaptureStats:
+        """Capture timings and counts (blocking time = save_s + wait_s)."""
         return self._engine.stats
+
+    @property
+    def replication_stats(self) -> ReplicationStats | None:
+        return self._peer.stats if self._peer is not None else None
+
+    @property
+    def flush_stats(self) -> FlushStats:
+        return self._flusher.stats
 
     def slots(self) -> dict[str, Slot]:
         """The slots by contract role name (for tests, logs and the inspect tooling)."""
@@ -149,6 +405,9 @@ class InMemoryCheckpointManager:
         prev = self._engine.previous
         if prev is not None:
             roles["own_previous"] = prev
+        if self._peer is not None:
+            roles["peer_current"] = self._peer.current
+            roles["peer_previous"] = self._peer.previous
         return roles
 
     def arena_bytes(self) -> int:
@@ -156,11 +415,25 @@ class InMemoryCheckpointManager:
         return sum(s.arena_bytes for s in self.slots().values())
 
     def close(self) -> None:
-        """Finish in-flight work, stop the workers and free every arena. Idempotent."""
+        """Finish in-flight work, optionally flush, stop the workers, free every arena."""
         if self._closed:
             return
         self._closed = True
+        try:
+            self._engine.wait_idle()
+        except ResiliencyError as exc:
+            log.warning("rank %d: closing after a failed capture: %s", self.rank, exc)
+        if self.config.flush_on_close:
+            self.flush_newest()
+        self._flusher.wait_idle()
+        self._flusher.close()
+        if self._signal is not None:
+            self._signal.uninstall()
         self._engine.close()
+        if self._peer is not None:
+            self._peer.close()
+        if self._store is not None:
+            self._store.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -176,3 +449,9 @@ class InMemoryCheckpointManager:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _material(slot: Slot, step: int) -> Material:
+    with slot.reading(step) as s:
+        assert s.layout is not None and s.arena is not None and s.document is not None
+        return Material(s.layout, s.arena.clone(), s.document)

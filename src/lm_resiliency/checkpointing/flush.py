@@ -1,0 +1,129 @@
+"""Persisting complete slots to node-local storage, off the training thread.
+
+:class:`DiskFlusher` owns one writer thread. ``submit(slots)`` queues complete
+slots (own and peer) for writing and returns at once; the writer holds each
+slot's read guard while writing, so a capture that wants to reuse that slot
+waits for the write instead of tearing it. ``flush_newest`` persists the newest
+complete slots synchronously (the signal path) within a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from lm_resiliency.capture.slot import Slot, SlotState
+from lm_resiliency.persistence import ShardStore, TrustStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FlushStats:
+    written: int = 0
+    failures: int = 0
+    bytes_written: int = 0
+    seconds: list[float] = field(default_factory=list)
+    last_error: str | None = None
+
+
+class DiskFlusher:
+    """Background writer of complete slots into a :class:`ShardStore`."""
+
+    def __init__(
+        self, store: Callable[[], ShardStore], *, trust: Callable[[int], TrustStatus]
+    ) -> None:
+        self._store = store
+        self._trust = trust
+        self.stats = FlushStats()
+        self._queue: list[tuple[Slot, int]] = []
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self._write_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="lmr-flush", daemon=True)
+        self._thread.start()
+
+    def submit(self, slots: Sequence[Slot]) -> None:
+        """Queue the complete ``slots`` (at their current step) for persistence."""
+        with self._cv:
+            for s in slots:
+                if s.complete and s.step is not None:
+                    self._queue.append((s, s.step))
+            self._cv.notify_all()
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until every queued write finished; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout_s)
+
+    def flush_newest(self, slots: Sequence[Slot], deadline_s: float) -> list[int]:
+        """Synchronously persist each given complete slot not yet persisted; returns steps written.
+
+        Used by the signal handler: bounded by ``deadline_s`` overall (a write in
+        progress is not interrupted, later ones are skipped once time is up).
+        """
+        end = time.monotonic() + deadline_s
+        written = []
+        for s in slots:
+            if time.monotonic() > end:
+                log.warning("signal flush ran out of its %.1fs deadline", deadline_s)
+                break
+            fresh = s.complete and s.step is not None and s.state < SlotState.PERSISTED
+            if fresh and s.step is not None and self._write(s, s.step):
+                written.append(s.step)
+        return written
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=120)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                slot, step = self._queue.pop(0)
+                self._busy = True
+            try:
+                self._write(slot, step)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _write(self, slot: Slot, step: int) -> bool:
+        t0 = time.perf_counter()
+        try:
+            with self._write_lock, slot.reading(step) as s:
+                if s.state >= SlotState.PERSISTED:
+                    return False
+                assert s.layout is not None and s.arena is not None and s.document is not None
+                assert s.owner_rank is not None
+                self._store().write(
+                    owner_rank=s.owner_rank,
+                    step=step,
+                    layout=s.layout,
+                    arena=s.arena,
+                    state_document=s.document,
+                    trust=self._trust(step),
+                )
+                s.advance(SlotState.PERSISTED)
+                self.stats.bytes_written += s.layout.total_bytes
+        except LookupError:
+            log.info("slot %s was reused before step %d could be persisted", slot.name, step)
+            return False
+        except Exception as exc:  # a failed write never stops training; it is counted
+            self.stats.failures += 1
+            self.stats.last_error = f"step {step} ({slot.name}): {exc}"
+            log.warning("persisting step %d from %s failed: %s", step, slot.name, exc)
+            return False
+        self.stats.written += 1
+        self.stats.seconds.append(time.perf_counter() - t0)
+        return True

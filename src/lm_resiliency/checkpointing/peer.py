@@ -1,0 +1,127 @@
+"""The peer side of GEMINI: two peer slots filled by replication after every capture.
+
+Runs on the capture engine's completion worker: once ``own_current`` is
+complete, :meth:`PeerReplicas.replicate` sends it to ``send_to(rank)`` and
+receives ``recv_from(rank)``'s capture of the same step into ``peer_current``
+(both directions at once). A replica counts only when both directions completed
+for the same step; otherwise the cycle's replica is dropped, the previous
+complete peer slot stays, and the failure is logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lm_resiliency.capture.layout import Layout
+from lm_resiliency.capture.slot import Slot, SlotState
+from lm_resiliency.errors import ReplicationError
+from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicationStats:
+    """Outcome counts and timings of replication cycles on this rank."""
+
+    replicated: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    seconds: list[float] = field(default_factory=list)
+    bytes_sent: int = 0
+
+
+class PeerReplicas:
+    """``peer_current`` / ``peer_previous`` and the channel that fills them."""
+
+    def __init__(
+        self,
+        channel: ReplicationChannel,
+        plan: PairingPlan,
+        *,
+        rank: int,
+        run_id: str,
+        pin_memory: bool,
+    ) -> None:
+        self.channel = channel
+        self.plan = plan
+        self.rank = rank
+        self.run_id = run_id
+        self.pin_memory = pin_memory
+        self.slots = [Slot("peer_0"), Slot("peer_1")]
+        self.stats = ReplicationStats()
+
+    @property
+    def current(self) -> Slot:
+        return self.slots[0]
+
+    @property
+    def previous(self) -> Slot:
+        return self.slots[1]
+
+    @property
+    def send_to(self) -> int:
+        return self.plan.send_to(self.rank)
+
+    @property
+    def recv_from(self) -> int:
+        return self.plan.recv_from(self.rank)
+
+    def complete_slots(self) -> list[Slot]:
+        done = [s for s in self.slots if s.complete and s.step is not None]
+        return sorted(done, key=lambda s: s.step or 0, reverse=True)
+
+    def replicate(self, own: Slot) -> bool:
+        """Exchange ``own`` (complete) with the partners; True when the replica pair is aligned."""
+        assert own.step is not None and own.layout is not None and own.arena is not None
+        assert own.document is not None
+        step = own.step
+        if self.current.complete:
+            self.slots.reverse()  # newest complete replica becomes peer_previous
+        target = self.current
+        target.invalidate()
+
+        def alloc(header: dict[str, Any]) -> torch.Tensor:
+            target.prepare(Layout.from_json(header["layout"]), pin=self.pin_memory)
+            assert target.arena is not None
+            return target.arena
+
+        header = make_header(self.run_id, self.rank, step, own.layout, own.document)
+        t0 = time.perf_counter()
+        try:
+            received = self.channel.exchange(
+                step=step, send_header=header, send_arena=own.arena, recv_alloc=alloc
+            )
+        except ReplicationError as exc:
+            target.invalidate()
+            self.stats.failures += 1
+            self.stats.last_error = str(exc)
+            log.warning(
+                "rank %d: replication of step %d with peers %d (sends to) / %d (receives from) "
+                "failed; keeping the previous replica pair: %s",
+                self.rank,
+                step,
+                self.send_to,
+                self.recv_from,
+                exc,
+            )
+            return False
+        target.publish(received.step, received.state_document, received.owner_rank)
+        own.advance(SlotState.REPLICATED)
+        self.stats.replicated += 1
+        self.stats.bytes_sent += own.layout.total_bytes
+        self.stats.seconds.append(time.perf_counter() - t0)
+        return True
+
+    def arena_bytes(self) -> int:
+        return sum(s.arena_bytes for s in self.slots)
+
+    def close(self) -> None:
+        self.channel.close()
+        for s in self.slots:
+            s.free()

@@ -1,0 +1,150 @@
+"""Collective loading of one agreed step from the cheapest source of every rank.
+
+Call order (every rank, same arguments derived from the same gathered table)::
+
+    outcome = fetch_step(step, table, ctx)
+
+Phases, each ending in agreement so no rank applies a step another rank could
+not obtain:
+
+1. *prepare*: a rank whose source is local (own memory / own disk) reads and
+   validates its state; a rank that holds the replica a peer needs reads and
+   validates that replica. Failures are all-reduced.
+2. *transfer*: replicas go home over the replication channel (owner <- holder),
+   with the same header validation as replication. Failures are all-reduced.
+
+Either failure makes every rank return ``None`` for this step; the caller then
+walks back to an older common step (LATEST) or fails closed (VERIFIED).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lm_resiliency.capture.layout import Layout
+from lm_resiliency.recovery.availability import Source
+from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Material:
+    """A validated state: layout, a private arena holding its bytes, its document."""
+
+    layout: Layout
+    arena: torch.Tensor
+    document: dict[str, Any]
+
+
+@dataclass
+class FetchContext:
+    """What :func:`fetch_step` needs from the manager of one rank."""
+
+    rank: int
+    group: dist.ProcessGroup | None
+    run_id: str
+    plan: PairingPlan | None
+    channel: ReplicationChannel | None
+    own_memory: Callable[[int], Material | None]
+    own_disk: Callable[[int], Material | None]
+    held_memory: Callable[[int], Material | None]
+    held_disk: Callable[[int], Material | None]
+
+
+@dataclass
+class Fetched:
+    material: Material
+    source: Source
+    bytes_moved: int
+
+
+def _any_failed(failed: bool, group: dist.ProcessGroup | None) -> bool:
+    if group is None:
+        return failed
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+def _load_local(ctx: FetchContext, source: Source, step: int) -> Material | None:
+    getter = {
+        Source.OWN_MEMORY: ctx.own_memory,
+        Source.OWN_DISK: ctx.own_disk,
+        Source.PEER_MEMORY: ctx.held_memory,
+        Source.PEER_DISK: ctx.held_disk,
+    }[source]
+    try:
+        return getter(step)
+    except Exception as exc:  # a source that fails validation is simply unavailable
+        log.warning("rank %d: %s of step %d unusable: %s", ctx.rank, source.label, step, exc)
+        return None
+
+
+def fetch_step(step: int, table: Sequence[dict[int, Source]], ctx: FetchContext) -> Fetched | None:
+    """Collective: this rank's validated state of ``step``, or ``None`` on every rank."""
+    mine = table[ctx.rank][step]
+    plan = ctx.plan
+    owner = plan.recv_from(ctx.rank) if plan is not None and plan.has_peer else None
+    serve_source = table[owner].get(step) if owner is not None else None
+    must_serve = serve_source in (Source.PEER_MEMORY, Source.PEER_DISK)
+    must_receive = mine in (Source.PEER_MEMORY, Source.PEER_DISK)
+
+    # Phase 1: read and validate everything local (own state, replica to serve).
+    local = None if must_receive else _load_local(ctx, mine, step)
+    served = _load_local(ctx, serve_source, step) if must_serve and serve_source else None
+    failed = (not must_receive and local is None) or (must_serve and served is None)
+    if _any_failed(failed, ctx.group):
+        return None
+
+    # Phase 2: replicas travel home, both directions of a rank at the same time.
+    received: list[Material] = []
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        assert ctx.channel is not None and plan is not None
+        holder = plan.send_to(ctx.rank)
+        try:
+            got = ctx.channel.recv(
+                holder,
+                step=step,
+                expect_owner=ctx.rank,
+                recv_alloc=lambda h: torch.empty(int(h["total_bytes"]), dtype=torch.uint8),
+            )
+            received.append(Material(got.layout, got.arena, got.state_document))
+        except Exception as exc:
+            errors.append(exc)
+
+    def serve() -> None:
+        assert ctx.channel is not None and owner is not None and served is not None
+        header = make_header(ctx.run_id, owner, step, served.layout, served.document)
+        try:
+            ctx.channel.send(owner, step=step, header=header, arena=served.arena)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = []
+    if must_receive:
+        threads.append(threading.Thread(target=receive, name="lmr-recover-recv"))
+    if must_serve:
+        threads.append(threading.Thread(target=serve, name="lmr-recover-send"))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for exc in errors:
+        log.warning("rank %d: moving a replica of step %d failed: %s", ctx.rank, step, exc)
+    failed = bool(errors) or (must_receive and not received)
+    if _any_failed(failed, ctx.group):
+        return None
+    material = received[0] if must_receive else local
+    assert material is not None
+    moved = material.layout.total_bytes if must_receive else 0
+    return Fetched(material, mine, moved)
