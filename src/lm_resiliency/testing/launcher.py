@@ -25,6 +25,7 @@ import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -85,7 +86,9 @@ def _child(
                 timeout=timedelta(seconds=pg_timeout_s),
             )
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle copies tensor bytes; the queue's own reducer would share them
+        # through file descriptors that vanish when this process exits.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException as exc:  # every failure must reach the parent with its rank
         queue.put((rank, "err", RankFailure.from_exception(rank, exc)))
     finally:
@@ -217,7 +220,7 @@ def _drain(
             return
         block = False
         if status == "ok":
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             failures[rank] = payload
 

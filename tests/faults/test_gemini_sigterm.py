@@ -1,0 +1,104 @@
+"""SIGTERM during training: the manager flushes the newest complete capture, then chains."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from lm_resiliency import InMemoryCkptConfig
+from lm_resiliency.experimental import InMemoryCheckpointManager
+
+CHILD = textwrap.dedent(
+    """
+    import signal, sys, time
+    from pathlib import Path
+    import torch
+    from lm_resiliency import InMemoryCkptConfig
+    from lm_resiliency.experimental import InMemoryCheckpointManager
+
+    folder, marker, chain = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    if chain == "previous":
+        def previous(signum, frame):
+            print("previous handler ran", flush=True)
+            sys.exit(42)
+        signal.signal(signal.SIGTERM, previous)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = InMemoryCkptConfig(interval=2, disk_folder=folder, disk_flush_interval=0,
+                             run_id="sigterm-test")
+    manager = InMemoryCheckpointManager(cfg)
+    step = 0
+    while True:
+        step += 1
+        model(torch.randn(4, 16)).sum().backward()
+        manager.maybe_wait()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 0:
+            manager.save({"model": model.state_dict(), "step": step}, step)
+            manager.maybe_wait()
+            if step == 6:
+                torch.save(model.state_dict(), marker.with_suffix(".expected"))
+                marker.write_text("ready")
+        time.sleep(0.05 if step >= 6 else 0)
+        if step >= 6:
+            while True:
+                time.sleep(0.1)  # training stalls here; SIGTERM arrives
+    """
+)
+
+
+def _run_child(tmp_path: Path, chain: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    marker = tmp_path / "ready.txt"
+    folder = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(folder), str(marker), chain],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "child never reached step 6"
+        time.sleep(0.05)
+    # Periodic flush is off: only the signal handler can have written files.
+    assert not any(folder.rglob("*.safetensors"))
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), folder
+
+
+def _recover(folder: Path, marker_dir: Path) -> None:
+    cfg = InMemoryCkptConfig(disk_folder=folder, run_id="sigterm-test", signal_flush=False)
+    with InMemoryCheckpointManager(cfg) as m:
+        assert m.find_latest() == 6
+        state = m.load(6)
+        assert m.last_recovery.sources == ["own disk"]
+    # the expected values were written with torch.save by the child (weights only)
+    expected = torch.load(marker_dir / "ready.expected", weights_only=True)
+    assert state["step"] == 6
+    for k, v in expected.items():
+        assert torch.equal(state["model"][k], v)
+
+
+def test_sigterm_flushes_the_newest_capture_and_dies_by_the_signal(tmp_path) -> None:
+    result, folder = _run_child(tmp_path, "default")
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    _recover(folder, tmp_path)
+
+
+def test_sigterm_flush_chains_to_the_previous_handler(tmp_path) -> None:
+    result, folder = _run_child(tmp_path, "previous")
+    assert result.returncode == 42, result.stderr
+    assert "previous handler ran" in result.stdout
+    _recover(folder, tmp_path)
