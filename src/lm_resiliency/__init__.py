@@ -1,7 +1,7 @@
 """lm-resiliency: fast failure recovery for distributed PyTorch training.
 
-Stable API: the configuration, the chunk-size estimator, recovery modes and the
-error hierarchy. Low-level pieces live in :mod:`lm_resiliency.experimental`.
+Stable API: the configuration (:class:`InMemoryCkptConfig`), the chunk-size
+estimator (:func:`estimate_chunk_size`), recovery modes and the error hierarchy. Low-level pieces live in :mod:`lm_resiliency.experimental`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from lm_resiliency.errors import (
     StateEncodingError,
     StepAborted,
 )
-from lm_resiliency.recovery.select import RecoveryMode
+from lm_resiliency.recovery.mode import RecoveryMode
+from lm_resiliency.replication.chunking import estimate_chunk_size
 
 __version__ = "0.3.0"
 
@@ -39,4 +40,5 @@ __all__ = [
     "StateEncodingError",
     "StepAborted",
     "__version__",
+    "estimate_chunk_size",
 ]

@@ -57,7 +57,7 @@ from lm_resiliency.recovery.availability import (
     source_table,
 )
 from lm_resiliency.recovery.loader import FetchContext, Material, fetch_step
-from lm_resiliency.recovery.select import RecoveryMode
+from lm_resiliency.recovery.mode import RecoveryMode
 from lm_resiliency.replication import PairingPlan, ReplicationChannel, resolve_jump
 from lm_resiliency.state import decode_state
 

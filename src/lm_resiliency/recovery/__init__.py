@@ -1,7 +1,8 @@
-"""Recovery: collective step selection and state loading across sources."""
+"""Recovery: which steps each rank can obtain, the collective choice, and loading."""
 
 from __future__ import annotations
 
-from lm_resiliency.recovery.select import RecoveryMode, agree_on_step
+from lm_resiliency.recovery.availability import Report, Source, gather_reports, source_table
+from lm_resiliency.recovery.mode import RecoveryMode
 
-__all__ = ["RecoveryMode", "agree_on_step"]
+__all__ = ["RecoveryMode", "Report", "Source", "gather_reports", "source_table"]
