@@ -1,7 +1,8 @@
 """lm-resiliency: fast failure recovery for distributed PyTorch training.
 
 Stable API: the configuration (:class:`InMemoryCkptConfig`), the chunk-size
-estimator (:func:`estimate_chunk_size`), recovery modes and the error hierarchy. Low-level pieces live in :mod:`lm_resiliency.experimental`.
+estimator (:func:`estimate_chunk_size`), recovery modes and the error hierarchy.
+Low-level pieces live in :mod:`lm_resiliency.experimental`.
 """
 
 from __future__ import annotations
