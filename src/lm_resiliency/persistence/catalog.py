@@ -1,0 +1,197 @@
+"""What a checkpoint folder holds: runs, topologies, generations, shards, sidecars.
+
+Read-only and safe to run on a live folder: nothing is created, reaped or
+followed through a symlink. Each shard's header is validated (schema, version,
+identity against the manifests and its own location, tensor table, size);
+with ``verify=True`` its data is read and every CRC checked as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lm_resiliency.errors import ShardUnavailable, SidecarUnavailable, UnsafePathError
+from lm_resiliency.persistence import namespace as ns
+from lm_resiliency.persistence._safefs import entry_kind, open_subdir, opened_dir
+from lm_resiliency.persistence.document import ShardIdentity
+from lm_resiliency.persistence.format import read_data
+from lm_resiliency.persistence.publish import TempName, TempScope, is_stale
+from lm_resiliency.persistence.sidecar import read_status
+from lm_resiliency.persistence.store import open_shard
+
+
+@dataclass
+class ShardInfo:
+    """One shard file; ``problem`` is the unavailability reason (``None`` when usable)."""
+
+    owner_rank: int
+    size_bytes: int
+    trust: str | None = None
+    checksums: bool | None = None
+    verified_crc: bool = False
+    problem: str | None = None
+    detail: str | None = None
+
+
+@dataclass
+class GenerationInfo:
+    step: int
+    shards: list[ShardInfo] = field(default_factory=list)
+
+
+@dataclass
+class TopologyInfo:
+    name: str
+    topology: str | None
+    generations: list[GenerationInfo] = field(default_factory=list)
+    sidecars: dict[int, dict[str, Any]] = field(default_factory=dict)
+    stray: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunInfo:
+    name: str
+    run_id: str | None
+    topologies: list[TopologyInfo] = field(default_factory=list)
+
+
+def scan(folder: str | Path, *, verify: bool = False) -> list[RunInfo]:
+    """Describe every run under ``folder`` (sorted by name)."""
+    root = Path(folder).resolve(strict=True)
+    runs = []
+    with opened_dir(root, (), create=False) as root_fd:
+        names = sorted(os.listdir(root_fd))
+    for name in names:
+        if not ns.is_run_dir(name):
+            continue
+        with (
+            contextlib.suppress(FileNotFoundError, UnsafePathError),
+            opened_dir(root, (name,), create=False) as run_fd,
+        ):
+            manifest = ns.read_manifest(run_fd, ns.RUN_MANIFEST, where=str(root / name))
+            run = RunInfo(name, _str(manifest, "run_id"))
+            for topo in sorted(os.listdir(run_fd)):
+                if ns.is_topology_dir(topo) and entry_kind(run_fd, topo) == "dir":
+                    run.topologies.append(_scan_topology(root, name, topo, run.run_id, verify))
+            runs.append(run)
+    return runs
+
+
+def _str(doc: dict[str, Any] | None, key: str) -> str | None:
+    value = (doc or {}).get(key)
+    return value if isinstance(value, str) else None
+
+
+def _scan_topology(
+    root: Path, run: str, topo: str, run_id: str | None, verify: bool
+) -> TopologyInfo:
+    where = root / run / topo
+    with opened_dir(root, (run, topo), create=False) as topo_fd:
+        manifest = ns.read_manifest(topo_fd, ns.TOPOLOGY_MANIFEST, where=str(where))
+        info = TopologyInfo(topo, _str(manifest, "topology"))
+        for name in sorted(os.listdir(topo_fd)):
+            kind = entry_kind(topo_fd, name)
+            step = ns.parse_step_dir(name)
+            rank = ns.parse_sidecar_file(name)
+            if step is not None and kind == "dir":
+                info.generations.append(
+                    _scan_step(
+                        topo_fd, where, step, run_id=run_id, topology=info.topology, verify=verify
+                    )
+                )
+            elif rank is not None and run_id and info.topology:
+                info.sidecars[rank] = _sidecar(topo_fd, where / name, run_id, info.topology, rank)
+            elif name != ns.TOPOLOGY_MANIFEST and rank is None:
+                info.stray.append(_describe(name, kind))
+    info.generations.sort(key=lambda g: g.step)
+    return info
+
+
+def _describe(name: str, kind: str | None) -> str:
+    temp = TempName.parse(name)
+    if temp is None:
+        return f"{name} ({kind})"
+    scope = TempScope.current()
+    if temp.scope != scope:
+        owner = "another boot or PID namespace: never reaped from here"
+    elif is_stale(temp, scope):
+        owner = f"writer pid {temp.pid} is dead: reaped by the next write"
+    else:
+        owner = f"writer pid {temp.pid} is alive"
+    return f"{name} (temp file; {owner})"
+
+
+def _sidecar(topo_fd: int, path: Path, run_id: str, topology: str, rank: int) -> dict[str, Any]:
+    try:
+        status = read_status(
+            topo_fd, run_id=run_id, topology=topology, rank=rank, where=str(path), retry_s=0.5
+        )
+    except (SidecarUnavailable, UnsafePathError) as exc:
+        return {"problem": getattr(exc, "reason", "symlink"), "detail": str(exc)}
+    if status is None:
+        return {"problem": "missing"}
+    doc = status.to_json()
+    return {k: doc[k] for k in ("candidate_step", "verified_step", "verified_history", "persisted")}
+
+
+def _scan_step(
+    topo_fd: int,
+    where: Path,
+    step: int,
+    *,
+    run_id: str | None,
+    topology: str | None,
+    verify: bool,
+) -> GenerationInfo:
+    gen = GenerationInfo(step)
+    dname = ns.step_dir(step)
+    step_fd = open_subdir(topo_fd, dname, create=False, where=str(where / dname))
+    try:
+        for name in sorted(os.listdir(step_fd)):
+            owner = ns.parse_shard_file(name)
+            if owner is None:
+                continue
+            path = where / dname / name
+            size = os.stat(name, dir_fd=step_fd, follow_symlinks=False).st_size
+            shard = ShardInfo(owner_rank=owner, size_bytes=size)
+            expected = None
+            if run_id and topology:
+                expected = ShardIdentity(run_id, topology, owner, step)
+            _check(step_fd, owner, path, expected=expected, verify=verify, shard=shard)
+            gen.shards.append(shard)
+    finally:
+        os.close(step_fd)
+    gen.shards.sort(key=lambda s: s.owner_rank)
+    return gen
+
+
+def _check(
+    step_fd: int,
+    owner: int,
+    path: Path,
+    *,
+    expected: ShardIdentity | None,
+    verify: bool,
+    shard: ShardInfo,
+) -> None:
+    try:
+        fd, header = open_shard(step_fd, owner, path, expected, verify_integrity=False)
+        try:
+            shard.trust = header.doc.trust.value
+            shard.checksums = header.doc.integrity is not None
+            if verify:
+                read_data(fd, header, path)
+                shard.verified_crc = shard.checksums
+        finally:
+            os.close(fd)
+    except ShardUnavailable as exc:
+        shard.problem, shard.detail = exc.reason, str(exc)
+
+
+def to_json(runs: list[RunInfo]) -> list[dict[str, Any]]:
+    """Plain JSON-ready dicts of :func:`scan`'s result."""
+    return [asdict(r) for r in runs]

@@ -1,0 +1,326 @@
+"""Node-local format v3: a safetensors file whose metadata carries our document.
+
+Byte layout (exactly safetensors, so any safetensors reader opens it)::
+
+    u64 little-endian N | N bytes of JSON header, space-padded so 8 + N is a
+    multiple of 8 | the arena bytes, tensor after tensor, no holes
+
+The header maps each tensor name to ``{"dtype", "shape", "data_offsets"}``
+(offsets relative to the data start, equal to the layout's arena offsets) and
+``"__metadata__"`` to ``{"lm_resiliency": "<the JSON document as a string>"}``
+(safetensors metadata values must be strings); see
+:mod:`lm_resiliency.persistence.document` for the document schema.
+
+Writing is one sequential stream from the arena in ``chunk_bytes`` pieces; with
+integrity each piece's CRC-32C is computed on a helper thread while the
+previous piece is being written (``crc32c`` releases the GIL), and the header
+- whose zeroed CRC placeholders have a fixed width - is rewritten in place at
+the end. Reading validates the whole header before it reads a data byte, and
+checks every CRC before it returns anything.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+
+from lm_resiliency.capture import Layout
+from lm_resiliency.errors import StateEncodingError
+from lm_resiliency.persistence import document
+from lm_resiliency.persistence._safefs import pread_exact, preadinto_exact, pwrite_all, write_all
+from lm_resiliency.persistence.document import ShardDocument, ShardIdentity
+from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
+from lm_resiliency.persistence.trust import TrustStatus
+from lm_resiliency.testing import kill_point
+
+METADATA_KEY = "lm_resiliency"
+#: The largest header safetensors itself accepts; ours is bounded the same.
+MAX_HEADER_BYTES = 100_000_000
+#: CRC chunk. Small enough that the CRC of the last chunk, which cannot overlap
+#: any I/O, costs ~2 ms; large enough that 1 GiB needs only 64 header entries.
+DEFAULT_CHUNK_BYTES = 16 << 20
+#: Kill point (see ``lm_resiliency.testing.kill_point``) after the first data chunk.
+KILL_MID_WRITE = "persistence.write.after_first_chunk"
+
+_R = UnavailableReason
+_ST_NAMES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "complex64": "C64",
+}
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    getattr(torch, name): st for name, st in _ST_NAMES.items() if hasattr(torch, name)
+}
+_LEGACY_MAGIC = ((b"PK\x03\x04", "a zip archive (torch.save)"), (b"\x80", "a pickle stream"))
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A shard's validated header: its document plus where the data lies."""
+
+    doc: ShardDocument
+    data_offset: int
+    file_bytes: int
+
+
+def _safetensors_dtype(dtype: torch.dtype, name: str) -> str:
+    try:
+        return SAFETENSORS_DTYPES[dtype]
+    except KeyError:
+        supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in SAFETENSORS_DTYPES))
+        raise StateEncodingError(
+            f"tensor {name!r} has dtype {dtype}, which safetensors cannot store; "
+            f"convert it to one of: {supported}"
+        ) from None
+
+
+def tensor_table(layout: Layout) -> dict[str, dict[str, Any]]:
+    """The safetensors entries for ``layout``, in arena order."""
+    table: dict[str, dict[str, Any]] = {}
+    for s in layout.specs:
+        if s.name == "__metadata__" or s.name in table:
+            raise StateEncodingError(
+                f"tensor name {s.name!r} is reserved or repeated; safetensors needs unique names"
+            )
+        table[s.name] = {
+            "dtype": _safetensors_dtype(s.dtype, s.name),
+            "shape": list(s.shape),
+            "data_offsets": [s.offset_bytes, s.offset_bytes + s.nbytes],
+        }
+    return table
+
+
+def encode_header(layout: Layout, doc: dict[str, Any]) -> bytes:
+    """Length prefix + padded JSON header for ``layout`` and ``doc``."""
+    meta = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+    header = {"__metadata__": {METADATA_KEY: meta}, **tensor_table(layout)}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    if len(text) > MAX_HEADER_BYTES:
+        raise StateEncodingError(
+            f"shard header of step {doc['step']} would be {len(text)} bytes, over the "
+            f"{MAX_HEADER_BYTES}-byte safetensors limit; keep large values in tensors"
+        )
+    return struct.pack("<Q", len(text)) + text
+
+
+def _arena_view(arena: torch.Tensor, layout: Layout) -> memoryview:
+    if (
+        arena.dtype != torch.uint8
+        or arena.dim() != 1
+        or arena.device.type != "cpu"
+        or not arena.is_contiguous()
+        or arena.numel() < layout.total_bytes
+    ):
+        raise ValueError(
+            f"arena must be a contiguous flat uint8 CPU tensor of >= {layout.total_bytes} "
+            f"bytes, got {arena.dtype} {tuple(arena.shape)} on {arena.device}"
+        )
+    view: memoryview = memoryview(arena.numpy())  # type: ignore[arg-type]
+    return view[: layout.total_bytes]
+
+
+def write_shard(
+    fd: int,
+    *,
+    identity: ShardIdentity,
+    layout: Layout,
+    arena: torch.Tensor,
+    state_document: dict[str, Any],
+    trust: TrustStatus,
+    integrity: bool,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> int:
+    """Write a complete shard to ``fd`` from offset 0; return its size in bytes.
+
+    Raises ``StateEncodingError`` before writing anything when a dtype or name
+    cannot be stored or the state is not strict JSON. The caller fsyncs.
+    """
+    data = _arena_view(arena, layout)
+    doc = document.build(
+        identity,
+        trust=trust,
+        layout=layout,
+        state=state_document,
+        chunk_bytes=chunk_bytes if integrity else None,
+    )
+    header = encode_header(layout, doc)
+    write_all(fd, memoryview(header))
+    crcs = _stream(fd, data, chunk_bytes, integrity)
+    if integrity:
+        final = encode_header(layout, document.with_chunk_crcs(doc, crcs))
+        assert len(final) == len(header)  # fixed-width CRC placeholders
+        pwrite_all(fd, final, 0)
+    return len(header) + layout.total_bytes
+
+
+def _stream(fd: int, data: memoryview, chunk_bytes: int, integrity: bool) -> list[int]:
+    if not integrity:
+        for off in range(0, len(data), chunk_bytes):
+            write_all(fd, data[off : off + chunk_bytes])
+            if off == 0:
+                kill_point(KILL_MID_WRITE)
+        return []
+    futures: list[Future[int]] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="lmr-crc") as pool:
+        for off in range(0, len(data), chunk_bytes):
+            piece = data[off : off + chunk_bytes]
+            futures.append(pool.submit(crc32c.crc32c, piece))
+            write_all(fd, piece)
+            if off == 0:
+                kill_point(KILL_MID_WRITE)
+        return [f.result() for f in futures]
+
+
+def read_header(fd: int, path: str | Path, *, file_bytes: int) -> ShardHeader:
+    """Parse and validate everything but identity and data; raise ``ShardUnavailable``."""
+    head = pread_exact(fd, 8, 0)
+    if len(head) < 8:
+        _legacy_check(head, path)
+        raise unavailable(_R.TRUNCATED, path, f"only {file_bytes} bytes, shorter than a header")
+    (header_bytes,) = struct.unpack("<Q", head)
+    if header_bytes > MAX_HEADER_BYTES:
+        _legacy_check(head, path)
+        raise unavailable(
+            _R.HEADER_TOO_LARGE,
+            path,
+            f"header length {header_bytes} exceeds the {MAX_HEADER_BYTES}-byte limit",
+        )
+    if 8 + header_bytes > file_bytes:
+        _legacy_check(head, path)
+        raise unavailable(
+            _R.HEADER_OUT_OF_BOUNDS,
+            path,
+            f"header length {header_bytes} points past the end of the {file_bytes}-byte file",
+        )
+    raw = pread_exact(fd, header_bytes, 8)
+    if not raw.lstrip().startswith(b"{"):
+        _legacy_check(head, path)
+    header = _parse_json(raw, path, "safetensors header")
+    if not isinstance(header, dict):
+        raise unavailable(_R.MALFORMED_HEADER, path, "the header is not a JSON object")
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or not isinstance(meta.get(METADATA_KEY), str):
+        raise unavailable(
+            _R.FOREIGN_FORMAT,
+            path,
+            f"a safetensors file without an {METADATA_KEY!r} metadata document was not written "
+            f"by lm-resiliency; {document.LEGACY_ADVICE}",
+        )
+    doc = document.parse(_parse_json(meta[METADATA_KEY].encode(), path, "document"), path)
+    table = {k: v for k, v in header.items() if k != "__metadata__"}
+    try:
+        expected = tensor_table(doc.layout)
+    except StateEncodingError as exc:
+        raise unavailable(_R.TENSOR_TABLE, path, str(exc)) from None
+    if table != expected:
+        extra = sorted(set(table) ^ set(expected))[:5]
+        differ = [k for k in expected if k in table and table[k] != expected[k]][:5]
+        raise unavailable(
+            _R.TENSOR_TABLE,
+            path,
+            f"the safetensors tensor table disagrees with the recorded layout "
+            f"(unmatched names {extra}, differing entries {differ})",
+        )
+    data_offset = 8 + header_bytes
+    want = data_offset + doc.layout.total_bytes
+    if file_bytes < want:
+        raise unavailable(_R.TRUNCATED, path, f"{file_bytes} bytes but the header needs {want}")
+    if file_bytes > want:
+        raise unavailable(
+            _R.SIZE_MISMATCH, path, f"{file_bytes - want} bytes beyond the {want} it describes"
+        )
+    return ShardHeader(doc=doc, data_offset=data_offset, file_bytes=file_bytes)
+
+
+def _legacy_check(head: bytes, path: str | Path) -> None:
+    # Only consulted once the bytes failed as safetensors: a valid header length
+    # can begin with the same bytes as these signatures.
+    for magic, what in _LEGACY_MAGIC:
+        if head.startswith(magic):
+            raise unavailable(
+                _R.LEGACY_FORMAT,
+                path,
+                f"the file is {what}, not a format-v3 safetensors shard; {document.LEGACY_ADVICE}",
+            )
+
+
+def _parse_json(raw: bytes, path: str | Path, what: str) -> Any:
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"non-JSON constant {name}")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            raise ValueError("duplicate keys")
+        return out
+
+    try:
+        return json.loads(
+            raw.decode("utf-8"), parse_constant=no_constants, object_pairs_hook=no_duplicates
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise unavailable(
+            _R.MALFORMED_HEADER, path, f"the {what} is not valid JSON ({exc})"
+        ) from None
+
+
+def read_data(
+    fd: int,
+    header: ShardHeader,
+    path: str | Path,
+    *,
+    into: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Read the arena bytes; verify every chunk CRC when the shard has them.
+
+    Returns ``into`` (or a fresh flat ``uint8`` tensor) holding exactly the
+    layout's bytes. On a checksum failure ``ShardIntegrityError`` is raised and
+    whatever was read into ``into`` must be treated as garbage.
+    """
+    total = header.doc.layout.total_bytes
+    arena = torch.empty(total, dtype=torch.uint8) if into is None else into
+    view = _arena_view(arena, header.doc.layout)
+    integ = header.doc.integrity
+    chunk = integ.chunk_bytes if integ is not None else DEFAULT_CHUNK_BYTES
+    futures: list[Future[int]] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="lmr-crc") as pool:
+        for off in range(0, total, chunk):
+            piece = view[off : off + chunk]
+            got = preadinto_exact(fd, piece, header.data_offset + off)
+            if got != len(piece):
+                raise unavailable(
+                    _R.TRUNCATED, path, f"the file ended {total - off - got} bytes early"
+                )
+            if integ is not None:
+                futures.append(pool.submit(crc32c.crc32c, piece))
+        if integ is not None:
+            for i, (f, want) in enumerate(zip(futures, integ.chunks, strict=True)):
+                if f.result() != want:
+                    raise unavailable(
+                        _R.CHECKSUM_MISMATCH,
+                        path,
+                        f"data chunk {i} (bytes {i * chunk}..{min(total, (i + 1) * chunk)}) does "
+                        "not match its CRC-32C: the stored bytes are damaged",
+                    )
+    return arena

@@ -1,0 +1,99 @@
+"""Which generations to keep, and a pool of retired files to overwrite next.
+
+Policy, per owner rank: keep the newest ``keep`` persisted steps plus the
+newest recovery-verified step; everything older goes. Retention runs only right
+after a new generation of that owner was published on this node, so there are
+never fewer than ``keep`` complete generations of an owner once ``keep`` have
+been written.
+
+Retired files are not always deleted: deleting a large file costs time
+(measured here: ~240 ms for 1 GiB), and overwriting an existing file in place
+is much faster than filling a new one (no block allocation). A retired file is
+therefore renamed to a hidden temp name of our scope and handed to the next
+write as its temp file. The peak disk use is unchanged (``keep`` generations
+plus one file, as during any write); a spare left by a process that died is a
+stale temp of its scope and is reaped like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Sequence
+
+from lm_resiliency.persistence.publish import temp_name
+
+#: Spares kept per store: one per owner it usually writes (its own and one peer's).
+MAX_SPARES = 2
+
+
+def plan_retention(steps: Sequence[int], *, keep: int, verified_step: int | None) -> list[int]:
+    """Steps to remove (ascending): all but the newest ``keep`` and ``verified_step``."""
+    assert keep >= 1, keep
+    ordered = sorted(set(steps))
+    kept = set(ordered[-keep:])
+    if verified_step is not None:
+        kept.add(verified_step)
+    return [s for s in ordered if s not in kept]
+
+
+def newest_verified(steps: Sequence[int], is_verified: Callable[[int], bool]) -> int | None:
+    """The newest of ``steps`` for which ``is_verified`` holds, asking newest first."""
+    for step in sorted(set(steps), reverse=True):
+        if is_verified(step):
+            return step
+    return None
+
+
+class SparePool:
+    """Retired files parked in one directory, to be overwritten by the next write.
+
+    Thread-safe. ``names`` is shared with the store's finalizer so spares are
+    removed when the store is closed or garbage-collected.
+    """
+
+    def __init__(self, limit: int = MAX_SPARES) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self.names: dict[str, int] = {}  # spare name -> size in bytes
+
+    def park(self, src_dir_fd: int, name: str, spare_dir_fd: int) -> bool:
+        """Move ``name`` into the pool if there is room; ``False`` means delete it instead."""
+        with self._lock:
+            if len(self.names) >= self._limit:
+                return False
+            size = os.stat(name, dir_fd=src_dir_fd, follow_symlinks=False).st_size
+            spare = temp_name("spare")
+            os.rename(name, spare, src_dir_fd=src_dir_fd, dst_dir_fd=spare_dir_fd)
+            self.names[spare] = size
+            return True
+
+    def take(self, want_bytes: int) -> str | None:
+        """The spare that fits ``want_bytes`` best (smallest large enough, else largest).
+
+        Never waits: a signal-time flush must not block on a lock the
+        interrupted main thread may hold; a busy pool just means a new file.
+        """
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if not self.names:
+                return None
+            fits = [n for n, size in self.names.items() if size >= want_bytes]
+            if fits:
+                name = min(fits, key=lambda n: self.names[n])
+            else:
+                name = max(self.names, key=lambda n: self.names[n])
+            del self.names[name]
+            return name
+        finally:
+            self._lock.release()
+
+    def drop_all(self, spare_dir_fd: int) -> None:
+        """Delete every parked spare (at close)."""
+        with self._lock:
+            for name in list(self.names):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=spare_dir_fd)
+                del self.names[name]

@@ -1,0 +1,478 @@
+"""``ShardStore``: one rank's view of the node-local persistence tier.
+
+Call order (one store per rank, every rank of a node may share ``disk_folder``):
+construct with the agreed ``run_id`` and job topology fingerprint (see
+:mod:`lm_resiliency.persistence.identity`) -> ``write`` completed slots (own
+state and the peer replicas this rank holds, each under its owner's rank) ->
+``mark_candidate`` / ``mark_verified`` as validation decides -> at recovery
+``steps`` and ``read`` -> ``close``. No call is collective.
+
+Thread safety: ``write`` may run on a background flush thread while a signal
+flush writes from another thread; temp names are unique per call and the
+sidecar, retention and spare pool are guarded by locks. A shard is published
+*before* any lock is taken, so a signal-time flush that finds the lock held by
+the interrupted thread still leaves its shard on disk (only the sidecar update
+and retention wait).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lm_resiliency.capture import Layout
+from lm_resiliency.errors import ConfigError, ShardUnavailable, SidecarUnavailable, UnsafePathError
+from lm_resiliency.persistence import namespace as ns
+from lm_resiliency.persistence._safefs import (
+    entry_kind,
+    open_file_nofollow,
+    open_subdir,
+    opened_dir,
+)
+from lm_resiliency.persistence.document import ShardIdentity, check_identity
+from lm_resiliency.persistence.format import (
+    DEFAULT_CHUNK_BYTES,
+    ShardHeader,
+    read_data,
+    read_header,
+    write_shard,
+)
+from lm_resiliency.persistence.publish import Recycled, publish, reap_stale_temps
+from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
+from lm_resiliency.persistence.retention import SparePool, newest_verified, plan_retention
+from lm_resiliency.persistence.sidecar import (
+    DEFAULT_HISTORY_LIMIT,
+    DEFAULT_RETRY_S,
+    SidecarStatus,
+    read_status,
+    write_status,
+)
+from lm_resiliency.persistence.trust import TrustStatus
+
+log = logging.getLogger(__name__)
+_R = UnavailableReason
+
+
+@dataclass(frozen=True)
+class LoadedShard:
+    """A fully validated shard: nothing here was returned before every check passed."""
+
+    layout: Layout
+    arena: torch.Tensor
+    """Flat ``uint8`` tensor of ``layout.total_bytes``; ``layout.views(arena)`` are the tensors."""
+    state_document: dict[str, Any]
+    trust: TrustStatus
+    path: Path
+    owner_rank: int
+    step: int
+
+
+def _nonneg(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{name}={value!r} must be an int >= 0")
+    return value
+
+
+def open_shard(
+    dir_fd: int,
+    owner_rank: int,
+    path: Path,
+    expected: ShardIdentity | None,
+    *,
+    verify_integrity: bool,
+) -> tuple[int, ShardHeader]:
+    """Open ``path``'s shard in ``dir_fd`` and validate its header (identity when given).
+
+    Returns the open descriptor (the caller closes it) and the header.
+    Raises ``ShardUnavailable`` with the precise reason.
+    """
+    try:
+        fd = open_file_nofollow(dir_fd, ns.shard_file(owner_rank), os.O_RDONLY, where=str(path))
+    except FileNotFoundError:
+        raise unavailable(_R.MISSING, path, "no such file") from None
+    except UnsafePathError as exc:
+        raise _refused(path, exc) from None
+    try:
+        header = read_header(fd, path, file_bytes=os.fstat(fd).st_size)
+        if expected is not None:
+            check_identity(header.doc.identity, expected, path)
+        if verify_integrity and header.doc.integrity is None:
+            raise unavailable(
+                _R.CHECKSUM_MISSING,
+                path,
+                "written without checksums but verify_integrity=True; it becomes eligible "
+                "only once a checksummed generation is persisted",
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, header
+
+
+def _refused(path: Path, exc: UnsafePathError) -> ShardUnavailable:
+    reason = _R.SYMLINK if "symlink" in str(exc) else _R.NOT_A_FILE
+    return unavailable(reason, path, str(exc))
+
+
+class ShardStore:
+    """Format-v3 shards, status sidecar and retention for one rank under ``disk_folder``.
+
+    ``topology`` is the job-wide topology fingerprint; ``rank`` the rank whose
+    sidecar this store owns. Raises ``ConfigError`` for invalid arguments,
+    ``UnsafePathError`` if a namespace directory is a symlink and
+    ``IdentityMismatch`` if the namespace's manifests name another run or
+    topology. A damaged own sidecar is logged and replaced at the next mark
+    (its history is dropped, which only narrows what counts as verified).
+    """
+
+    def __init__(
+        self,
+        disk_folder: str | Path,
+        *,
+        run_id: str,
+        topology: str,
+        rank: int,
+        verify_integrity: bool,
+        keep_generations: int = 2,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        history_limit: int = DEFAULT_HISTORY_LIMIT,
+        sidecar_retry_s: float = DEFAULT_RETRY_S,
+        recycle_files: bool = True,
+    ) -> None:
+        for name, value in (("run_id", run_id), ("topology", topology)):
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{name}={value!r} must be a non-empty string")
+        self.rank = _nonneg("rank", rank)
+        if _nonneg("keep_generations", keep_generations) < 1:
+            raise ConfigError(f"keep_generations={keep_generations} must be >= 1 (default 2)")
+        if _nonneg("chunk_bytes", chunk_bytes) == 0 or _nonneg("history_limit", history_limit) == 0:
+            raise ConfigError(
+                f"chunk_bytes={chunk_bytes} and history_limit={history_limit} must be >= 1"
+            )
+        self.run_id = run_id
+        self.topology = topology
+        self.verify_integrity = bool(verify_integrity)
+        self.keep_generations = keep_generations
+        self.chunk_bytes = chunk_bytes
+        self.history_limit = history_limit
+        self.sidecar_retry_s = sidecar_retry_s
+        root = Path(disk_folder)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Links *above* the folder are the user's choice; none is followed below it.
+        self.root = root.resolve(strict=True)
+        self._parts = (ns.run_dir(run_id), ns.topology_dir(topology))
+        self.topology_path = self.root.joinpath(*self._parts)
+        self._lock = threading.Lock()
+        self._spares = SparePool() if recycle_files else None
+        self._trust_cache: dict[tuple[int, int], TrustStatus] = {}
+        with opened_dir(self.root, self._parts[:1], create=True) as run_fd:
+            ns.ensure_run_manifest(run_fd, run_id, where=str(self.root / self._parts[0]))
+            reap_stale_temps(run_fd)
+        with opened_dir(self.root, self._parts, create=True) as topo_fd:
+            ns.ensure_topology_manifest(topo_fd, topology, where=str(self.topology_path))
+            reap_stale_temps(topo_fd)
+            try:
+                loaded = self._read_sidecar(topo_fd, rank)
+            except SidecarUnavailable as exc:
+                log.warning("%s", exc)
+                loaded = None
+        self._status = loaded or SidecarStatus(run_id=run_id, topology=topology, rank=rank)
+        self._finalizer = weakref.finalize(self, _drop_spares, self.root, self._parts, self._spares)
+
+    # -- paths -----------------------------------------------------------------
+
+    def path_for(self, owner_rank: int, step: int) -> Path:
+        """Where ``owner_rank``'s shard of ``step`` is published."""
+        return self.topology_path / ns.step_dir(step) / ns.shard_file(owner_rank)
+
+    def _identity(self, owner_rank: int, step: int) -> ShardIdentity:
+        return ShardIdentity(
+            self.run_id, self.topology, _nonneg("owner_rank", owner_rank), _nonneg("step", step)
+        )
+
+    # -- writing -----------------------------------------------------------------
+
+    def write(
+        self,
+        *,
+        owner_rank: int,
+        step: int,
+        layout: Layout,
+        arena: torch.Tensor,
+        state_document: dict[str, Any],
+        trust: TrustStatus = TrustStatus.UNVERIFIED,
+    ) -> Path:
+        """Publish ``owner_rank``'s state of ``step`` atomically; return the final path.
+
+        ``arena`` is the slot's flat ``uint8`` CPU buffer described by
+        ``layout``; ``state_document`` the JSON non-tensor state (stored
+        verbatim). Peer replicas are written with the peer's ``owner_rank``.
+        Before writing, stale temps of this shard left by dead writers of our
+        scope are removed; after publishing, the sidecar records the step and
+        retention runs for this owner. Raises ``StateEncodingError`` (dtype or
+        state not storable; nothing written), ``UnsafePathError`` or
+        ``OSError`` (the previous content of the shard, if any, is unchanged).
+        """
+        ident = self._identity(owner_rank, step)
+        want_bytes = layout.total_bytes
+
+        def _write(fd: int) -> int:
+            return write_shard(
+                fd,
+                identity=ident,
+                layout=layout,
+                arena=arena,
+                state_document=state_document,
+                trust=TrustStatus(trust),
+                integrity=self.verify_integrity,
+                chunk_bytes=self.chunk_bytes,
+            )
+
+        with opened_dir(self.root, self._parts, create=True) as topo_fd:
+            for attempt in range(2):
+                step_fd = open_subdir(
+                    topo_fd,
+                    ns.step_dir(step),
+                    create=True,
+                    where=str(self.path_for(0, step).parent),
+                )
+                try:
+                    reap_stale_temps(step_fd, target=ns.shard_file(owner_rank))
+                    self._publish(topo_fd, step_fd, owner_rank, want_bytes, _write)
+                    break
+                except FileNotFoundError:
+                    # Another rank's retention removed this (old) step directory
+                    # between our mkdir and our temp file; make it again once.
+                    if attempt:
+                        raise
+                finally:
+                    os.close(step_fd)
+            with self._lock:
+                self._trust_cache[(owner_rank, step)] = TrustStatus(trust)
+                self._status = self._status.with_persisted(owner_rank, step)
+                write_status(topo_fd, self._status)
+                self._retain(topo_fd, owner_rank)
+        return self.path_for(owner_rank, step)
+
+    def _publish(
+        self,
+        topo_fd: int,
+        step_fd: int,
+        owner_rank: int,
+        want_bytes: int,
+        write: Callable[[int], int],
+    ) -> None:
+        name = ns.shard_file(owner_rank)
+        spare = self._spares.take(want_bytes) if self._spares is not None else None
+        if spare is not None:
+            try:
+                publish(step_fd, name, write, recycle=Recycled(topo_fd, spare))
+                return
+            except FileNotFoundError:
+                log.debug("spare %s vanished; writing a new file", spare)
+        publish(step_fd, name, write)
+
+    # -- retention ---------------------------------------------------------------
+
+    def _retain(self, topo_fd: int, owner_rank: int) -> None:
+        steps = self._steps_in(topo_fd, owner_rank)
+        history = set(self._status.verified_history)
+
+        def verified(step: int) -> bool:
+            return step in history or self._trust(topo_fd, owner_rank, step) is (
+                TrustStatus.RECOVERY_VERIFIED
+            )
+
+        keep_verified = newest_verified(steps, verified)
+        for step in plan_retention(steps, keep=self.keep_generations, verified_step=keep_verified):
+            self._retire(topo_fd, owner_rank, step)
+
+    def _trust(self, topo_fd: int, owner_rank: int, step: int) -> TrustStatus | None:
+        cached = self._trust_cache.get((owner_rank, step))
+        if cached is not None:
+            return cached
+        path = self.path_for(owner_rank, step)
+        try:
+            with opened_dir(self.root, (*self._parts, ns.step_dir(step)), create=False) as d:
+                fd, header = open_shard(d, owner_rank, path, None, verify_integrity=False)
+                os.close(fd)
+        except (OSError, ShardUnavailable, UnsafePathError):
+            return None
+        self._trust_cache[(owner_rank, step)] = header.doc.trust
+        return header.doc.trust
+
+    def _retire(self, topo_fd: int, owner_rank: int, step: int) -> None:
+        name, dname = ns.shard_file(owner_rank), ns.step_dir(step)
+        self._trust_cache.pop((owner_rank, step), None)
+        try:
+            step_fd = open_subdir(topo_fd, dname, create=False, where=dname)
+        except (FileNotFoundError, UnsafePathError):
+            return
+        try:
+            if entry_kind(step_fd, name) == "file" and not (
+                self._spares is not None and self._spares.park(step_fd, name, topo_fd)
+            ):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=step_fd)
+            os.fsync(step_fd)
+        finally:
+            os.close(step_fd)
+        with contextlib.suppress(OSError):  # not empty: another owner's shard or a foreign temp
+            os.rmdir(dname, dir_fd=topo_fd)
+        os.fsync(topo_fd)
+
+    # -- reading -----------------------------------------------------------------
+
+    def read(self, *, owner_rank: int, step: int, into: torch.Tensor | None = None) -> LoadedShard:
+        """Load and validate ``owner_rank``'s shard of ``step``.
+
+        Checks, before returning anything: no symlink on the way, header size
+        limits, JSON schema, format version 3, identity (run_id, topology,
+        owner rank, step), tensor table vs layout, file size, and every CRC
+        (a missing CRC with ``verify_integrity`` makes the shard unavailable).
+        ``into`` (a flat ``uint8`` CPU tensor large enough) receives the bytes
+        instead of a fresh tensor; after a failure its content is garbage.
+        Raises ``ShardUnavailable`` (or its integrity / identity subclasses)
+        naming the reason.
+        """
+        expected = self._identity(owner_rank, step)
+        path = self.path_for(owner_rank, step)
+        try:
+            with opened_dir(self.root, (*self._parts, ns.step_dir(step)), create=False) as d:
+                fd, header = open_shard(
+                    d, owner_rank, path, expected, verify_integrity=self.verify_integrity
+                )
+        except FileNotFoundError:
+            raise unavailable(_R.MISSING, path, "its step directory does not exist") from None
+        except UnsafePathError as exc:
+            raise _refused(path, exc) from None
+        except OSError as exc:
+            raise unavailable(_R.IO_ERROR, path, f"reading it failed: {exc}") from None
+        try:
+            arena = read_data(fd, header, path, into=into)
+        except OSError as exc:
+            raise unavailable(_R.IO_ERROR, path, f"reading its data failed: {exc}") from None
+        finally:
+            os.close(fd)
+        doc = header.doc
+        return LoadedShard(doc.layout, arena, doc.state, doc.trust, path, owner_rank, step)
+
+    def steps(self, owner_rank: int) -> list[int]:
+        """Steps with a published shard of ``owner_rank`` in this run and topology, ascending.
+
+        Listing only: a listed step may still fail :meth:`read`'s validation.
+        Symlinked step directories and shards are never listed.
+        """
+        try:
+            with opened_dir(self.root, self._parts, create=False) as topo_fd:
+                return self._steps_in(topo_fd, owner_rank)
+        except (FileNotFoundError, UnsafePathError):
+            return []
+
+    def _steps_in(self, topo_fd: int, owner_rank: int) -> list[int]:
+        found = []
+        for name in os.listdir(topo_fd):
+            step = ns.parse_step_dir(name)
+            if step is None or entry_kind(topo_fd, name) != "dir":
+                continue
+            try:
+                shard = os.stat(
+                    f"{name}/{ns.shard_file(owner_rank)}", dir_fd=topo_fd, follow_symlinks=False
+                )
+            except OSError:
+                continue
+            if stat.S_ISREG(shard.st_mode):  # a regular file, not a link
+                found.append(step)
+        return sorted(found)
+
+    # -- status sidecar ------------------------------------------------------------
+
+    def status(self) -> SidecarStatus:
+        """This rank's current trust record (as last published). Never waits on a write."""
+        return self._status
+
+    def mark_candidate(self, step: int) -> SidecarStatus:
+        """Record ``step`` as this rank's candidate and publish the sidecar."""
+        return self._update(lambda s: s.with_candidate(_nonneg("step", step)))
+
+    def mark_verified(self, step: int) -> SidecarStatus:
+        """Add ``step`` to this rank's recovery-verified history and publish the sidecar."""
+        limit = self.history_limit
+        return self._update(lambda s: s.with_verified(_nonneg("step", step), history_limit=limit))
+
+    def _update(self, change: Callable[[SidecarStatus], SidecarStatus]) -> SidecarStatus:
+        with self._lock, opened_dir(self.root, self._parts, create=True) as topo_fd:
+            new = change(self._status)
+            write_status(topo_fd, new)
+            self._status = new
+            return new
+
+    def read_status(self, rank: int) -> SidecarStatus | None:
+        """Read ``rank``'s sidecar from this node's disk (``None`` if it has none).
+
+        Retries visibility failures for ``sidecar_retry_s``; raises
+        ``SidecarUnavailable`` for a persistently malformed file or any
+        identity, schema or trust mismatch.
+        """
+        try:
+            with opened_dir(self.root, self._parts, create=False) as topo_fd:
+                return self._read_sidecar(topo_fd, rank)
+        except FileNotFoundError:
+            return None
+
+    def _read_sidecar(self, topo_fd: int, rank: int) -> SidecarStatus | None:
+        return read_status(
+            topo_fd,
+            run_id=self.run_id,
+            topology=self.topology,
+            rank=rank,
+            where=str(self.topology_path / ns.sidecar_file(rank)),
+            retry_s=self.sidecar_retry_s,
+        )
+
+    # -- housekeeping --------------------------------------------------------------
+
+    def reap_stale_temps(self) -> int:
+        """Remove temps of dead writers of our scope in this run's folders; return the count."""
+        removed = 0
+        with opened_dir(self.root, self._parts[:1], create=True) as run_fd:
+            removed += reap_stale_temps(run_fd)
+        with opened_dir(self.root, self._parts, create=True) as topo_fd:
+            removed += reap_stale_temps(topo_fd)
+            for name in os.listdir(topo_fd):
+                if ns.parse_step_dir(name) is None or entry_kind(topo_fd, name) != "dir":
+                    continue
+                with contextlib.suppress(FileNotFoundError, UnsafePathError):
+                    step_fd = open_subdir(topo_fd, name, create=False, where=name)
+                    try:
+                        removed += reap_stale_temps(step_fd)
+                    finally:
+                        os.close(step_fd)
+        return removed
+
+    def close(self) -> None:
+        """Delete parked spare files. The store must not be used afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> ShardStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _drop_spares(root: Path, parts: tuple[str, ...], spares: SparePool | None) -> None:
+    if spares is None or not spares.names:
+        return
+    with contextlib.suppress(OSError), opened_dir(root, parts, create=False) as topo_fd:
+        spares.drop_all(topo_fd)
