@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.recovery.availability import Source
 from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
+from lm_resiliency.replication.transfer import TransferKey, recv_checkpoint, send_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,29 @@ def _load_local(ctx: FetchContext, source: Source, step: int) -> Material | None
         return None
 
 
+def _key(step: int, *, src: int, dst: int, meta: tuple[str, int]) -> TransferKey:
+    return TransferKey(f"gemini/step-{step}/owner-{dst}", src, dst, step, meta[0], meta[1])
+
+
+def _exchange_metadata(served: Material | None, ctx: FetchContext) -> dict[int, tuple[str, int]]:
+    """Collective: owner rank -> (layout digest, bytes) of the replica its holder serves."""
+    mine = ("", 0) if served is None else (served.layout.digest, served.layout.total_bytes)
+    plan = ctx.plan
+    if ctx.group is None or plan is None or not plan.has_peer:
+        return {}
+    world = dist.get_world_size(ctx.group)
+    row = torch.zeros(17, dtype=torch.int64)
+    if served is not None:
+        row[:16] = torch.tensor(list(bytes.fromhex(mine[0])), dtype=torch.int64)
+        row[16] = mine[1]
+    rows = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(rows, row, group=ctx.group)
+    # rank h serves the replica of recv_from(h)
+    return {
+        plan.recv_from(h): (bytes(r[:16].tolist()).hex(), int(r[16])) for h, r in enumerate(rows)
+    }
+
+
 def fetch_step(step: int, table: Sequence[dict[int, Source]], ctx: FetchContext) -> Fetched | None:
     """Collective: this rank's validated state of ``step``, or ``None`` on every rank."""
     mine = table[ctx.rank][step]
@@ -110,14 +134,9 @@ def fetch_step(step: int, table: Sequence[dict[int, Source]], ctx: FetchContext)
 
     def receive() -> None:
         assert ctx.channel is not None and plan is not None
-        holder = plan.send_to(ctx.rank)
         try:
-            got = ctx.channel.recv(
-                holder,
-                step=step,
-                expect_owner=ctx.rank,
-                recv_alloc=lambda h: torch.empty(int(h["total_bytes"]), dtype=torch.uint8),
-            )
+            key = _key(step, src=plan.send_to(ctx.rank), dst=ctx.rank, meta=sizes[ctx.rank])
+            got = recv_checkpoint(ctx.channel, key, owner_rank=ctx.rank)
             received.append(Material(got.layout, got.arena, got.state_document))
         except Exception as exc:
             errors.append(exc)
@@ -126,9 +145,13 @@ def fetch_step(step: int, table: Sequence[dict[int, Source]], ctx: FetchContext)
         assert ctx.channel is not None and owner is not None and served is not None
         header = make_header(ctx.run_id, owner, step, served.layout, served.document)
         try:
-            ctx.channel.send(owner, step=step, header=header, arena=served.arena)
+            key = _key(step, src=ctx.rank, dst=owner, meta=sizes[owner])
+            send_checkpoint(ctx.channel, key, header=header, arena=served.arena)
         except Exception as exc:
             errors.append(exc)
+
+    # Both endpoints bind the transfer to the same tensor metadata: the holder's.
+    sizes = _exchange_metadata(served, ctx)
 
     threads = []
     if must_receive:

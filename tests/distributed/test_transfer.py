@@ -1,0 +1,72 @@
+"""Manager-driven transfers: a named checkpoint bound to endpoints and metadata, per-chunk CRCs."""
+
+from __future__ import annotations
+
+import torch
+
+from lm_resiliency.capture.layout import Layout
+from lm_resiliency.errors import IntegrityError, ReplicationError
+from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
+from lm_resiliency.replication.transfer import (
+    CRC_CHUNK_BYTES,
+    TransferKey,
+    chunk_checksums,
+    recv_checkpoint,
+    send_checkpoint,
+)
+from lm_resiliency.testing import run_distributed
+
+
+def _arena() -> tuple[Layout, torch.Tensor]:
+    t = torch.arange(CRC_CHUNK_BYTES // 4 + 1000, dtype=torch.float32)  # > 1 CRC chunk
+    layout = Layout.from_tensors([t], ["t"])
+    arena = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    layout.views(arena)[0].copy_(t)
+    return layout, arena
+
+
+def _transfer(rank: int, world: int, case: str) -> str:
+    plan = PairingPlan.build(2, 1)
+    layout, arena = _arena()
+    key = TransferKey("gemini/step-7/owner-0", 1, 0, 7, layout.digest, layout.total_bytes)
+    with ReplicationChannel(plan, run_id="r", chunk_bytes=1 << 20, timeout_s=20) as ch:
+        try:
+            if rank == 1:  # holder sends owner 0's replica home
+                header = make_header("r", 0, 7, layout, {"k": 1})
+                if case == "corrupt":  # checksums that do not match the bytes
+                    bad = {
+                        **header,
+                        "transfer": key.to_json(),
+                        "crc_chunk_bytes": CRC_CHUNK_BYTES,
+                        "chunk_crc32c": [c ^ 1 for c in chunk_checksums(arena)],
+                    }
+                    ch.send(0, step=7, header=bad, arena=arena)
+                else:
+                    send_checkpoint(ch, key, header=header, arena=arena)
+                return "sent"
+            expect = (
+                key
+                if case != "wrong-key"
+                else TransferKey("gemini/step-7/owner-0", 1, 0, 7, "0" * 32, layout.total_bytes)
+            )
+            got = recv_checkpoint(ch, expect, owner_rank=0)
+            ok = torch.equal(got.arena, arena) and got.state_document == {"k": 1}
+            return f"received {ok}"
+        except (ReplicationError, IntegrityError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+
+def test_named_transfer_arrives_bit_identical() -> None:
+    assert run_distributed(_transfer, 2, args=("ok",), timeout_s=90) == ["received True", "sent"]
+
+
+def test_transfer_with_a_wrong_key_is_refused_before_any_bytes() -> None:
+    out = run_distributed(_transfer, 2, args=("wrong-key",), timeout_s=90)
+    assert out[0].startswith("ReplicationError") and "transfer key mismatch" in out[0]
+    assert out[1].startswith("ReplicationError")  # the sender learns it was refused
+
+
+def test_a_chunk_failing_its_checksum_is_named_and_discarded() -> None:
+    out = run_distributed(_transfer, 2, args=("corrupt",), timeout_s=90)
+    assert out[0].startswith("IntegrityError")
+    assert "chunk(s) [0, 1] of 2" in out[0]
