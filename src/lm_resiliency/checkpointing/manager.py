@@ -113,6 +113,13 @@ class InMemoryCheckpointManager:
         self.plan: PairingPlan | None = (
             None if skip or jump is None else PairingPlan.build(self.world_size, jump)
         )
+        if self.rank == 0:
+            how = (
+                "HSDP replicas (no transfer)"
+                if skip
+                else (self.plan.describe() if self.plan is not None else "no peer")
+            )
+            log.info("GEMINI replication: %s", how)
         pairs = self.plan.table() if self.plan is not None else []
         group_fp = topology_fingerprint(list(range(self.world_size)), pairs)
         self.topology = agree_job_fingerprint(group_fp, group=self._pg)
