@@ -11,7 +11,6 @@ Checks (each prints PASS/FAIL) and measurements (printed, plus one JSON line):
    a raw pinned D2H ``copy_`` of the same bytes and DCP ``async_save`` (default
    and a reused pinned async stager);
 4. host arena bytes vs state bytes (the pinned caching allocator's rounding).
-5. the MTGS shadow on CUDA, when the transactions package provides one.
 """
 
 from __future__ import annotations
@@ -176,16 +175,6 @@ def dcp_timings(nested: dict[str, Any]) -> dict[str, float]:
     return res
 
 
-def mtgs_shadow() -> None:
-    try:
-        from lm_resiliency.transactions import gpu_selfcheck  # type: ignore[attr-defined]
-    except ImportError:
-        print("SKIP mtgs shadow on CUDA: lm_resiliency.transactions.gpu_selfcheck not present")
-        return
-    ok, detail = gpu_selfcheck()
-    check("mtgs shadow on CUDA", ok, detail)
-
-
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -196,7 +185,6 @@ def main() -> int:
         r = timings(gib * GiB)
         results[f"{gib}GiB"] = r
         print(json.dumps({f"{gib}GiB": r}))
-    mtgs_shadow()
     print(json.dumps({"gpu_check": results, "failures": failures}))
     return 1 if failures else 0
 

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# GPU-only checks (CUDA capture path, pinned arenas, MTGS shadow on CUDA); CI never runs this.
-# Uses the machine's own torch; crc32c is only needed by persistence, which this does not import.
+# GPU-only checks (CUDA capture path, pinned arenas, MTGS shadow and transactions on CUDA);
+# CI never runs this. Uses the machine's own torch; crc32c (persistence only) is not needed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 scripts/gpu_check.py 2>&1 | tee "${OUT:-/tmp}/gpu_check.log"
+rc=${PIPESTATUS[0]}
+# The test suite's CUDA-only tests (skipped on CPU machines).
+python3 -m pytest -q -p no:cacheprovider -k "cuda" \
+  tests/unit/test_mtgs_shadow.py tests/distributed/test_mtgs_transactions.py 2>&1 \
+  | tee -a "${OUT:-/tmp}/gpu_check.log"
+exit $(( rc || PIPESTATUS[0] ))

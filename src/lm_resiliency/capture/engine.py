@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,7 +132,21 @@ class CaptureEngine:
         """
         t0 = time.perf_counter()
         self._finish_previous()
-        encoded = encode_state(state)
+        self._launch(encode_state(state), step, t0)
+
+    def capture_tensors(
+        self, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int
+    ) -> None:
+        """Like :meth:`capture` for a flat list of uniquely named tensors (no state tree).
+
+        Used by the MTGS shadow, which keeps its own bookkeeping of what each
+        tensor is; the slot's document is empty.
+        """
+        t0 = time.perf_counter()
+        self._finish_previous()
+        self._launch(EncodedState(document={}, tensors=list(tensors), names=list(names)), step, t0)
+
+    def _launch(self, encoded: EncodedState, step: int, t0: float) -> None:
         layout = self._layout_for(encoded)
         slot = self._rotate()
         # Device tensors: remember where the compute stream is now; the worker's side
@@ -165,6 +179,11 @@ class CaptureEngine:
     def wait_idle(self) -> None:
         """Block until the in-flight cycle (including its follow-up) has finished."""
         self._finish_previous()
+
+    @property
+    def layout(self) -> Layout | None:
+        """The layout of the newest launched capture (known before its bytes are copied)."""
+        return self._layout
 
     def complete_slots(self) -> list[Slot]:
         """The complete own slots, newest step first."""
@@ -249,9 +268,11 @@ class CaptureEngine:
                 stream = self._streams[device] = torch.cuda.Stream(device)
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 stream.wait_event(ready)
-                for dst, src in pairs:
-                    if src.device == device:
-                        dst.copy_(src, non_blocking=True)
+                mine = [(d, s) for d, s in pairs if s.device == device]
+                if mine:
+                    torch._foreach_copy_(
+                        [d for d, _ in mine], [s for _, s in mine], non_blocking=True
+                    )
                 event = torch.cuda.Event()
                 event.record(stream)
             done.append(event)
@@ -266,7 +287,9 @@ class CaptureEngine:
                 cycle = self._jobs.pop(0)
             self._run_cycle(cycle)
 
+    @torch.no_grad()
     def _run_cycle(self, cycle: _Cycle) -> None:
+        # no_grad: copying a parameter that requires grad must not record autograd history.
         slot = cycle.slot
         try:
             t0 = time.perf_counter()
@@ -311,8 +334,8 @@ class CaptureEngine:
     def _copy_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         limit = self.rate_limit
         if limit is None:
-            for dst, src in pairs:
-                dst.copy_(src)
+            if pairs:  # one fused call: per-tensor dispatch dominates for many small tensors
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
             return
         start = time.perf_counter()
         done = 0

@@ -1,0 +1,149 @@
+"""The DDP communication hook that carries the MTGS vote inside the gradient all-reduce.
+
+Register it on a ``DistributedDataParallel`` model (``MTGS`` does this for you)::
+
+    state = MTGSState()
+    ddp_model.register_comm_hook(state, mtgs_comm_hook)
+
+For every bucket the hook does what DDP's default all-reduce does (divide by
+the world size, all-reduce with SUM) plus two cheap things:
+
+* it adds the bucket's local sum to a running device scalar (no ``.item()``,
+  no synchronisation): a non-finite sum means a non-finite local gradient, so
+  the vote can name the rank it came from;
+* on the last bucket of the backward pass (``bucket.is_last()``) it appends a
+  vector of ``world_size`` slots to the flattened bucket; this rank writes its
+  abort code into its own slot and zero elsewhere, so after the SUM every rank
+  holds every rank's code. The vote costs no extra collective, only the copy
+  of that one bucket.
+
+The codes are read once per step, after ``backward()`` returned (DDP has waited
+for every bucket by then), by :meth:`MTGSState.reduced_codes`.
+
+Soundness: the vote rides on collectives every rank must issue. A rank that
+raises before its backward launched every bucket (an exception or OOM in the
+forward or backward pass) would leave its peers blocked in the all-reduce, so
+MTGS completes the missing collectives for it with zero gradients and its
+unhealthy code (see :mod:`lm_resiliency.transactions.fallback`); no extra
+collective is added to healthy steps.
+
+This module deliberately does not use ``from __future__ import annotations``:
+DDP checks the hook's ``bucket`` and return annotations against the real
+``GradBucket`` and ``Future[Tensor]`` objects, which string annotations fail.
+"""
+
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
+
+from lm_resiliency.transactions.reasons import VOTE_REASONS_MAX, AbortReason
+
+
+class MTGSState:
+    """Per-rank state shared by :func:`mtgs_comm_hook` and the transaction.
+
+    Create one per DDP model, before ``register_comm_hook``. ``process_group``
+    must be the DDP model's group (default: the default group). The
+    transaction calls :meth:`begin` before each attempt's backward pass and
+    :meth:`reduced_codes` after it; the counters say how many all-reduces the
+    hook launched (for the benchmark's collective count).
+    """
+
+    def __init__(
+        self, process_group: dist.ProcessGroup | None = None, *, carry_vote: bool = True
+    ) -> None:
+        self.process_group = process_group
+        self.carry_vote = carry_vote
+        """``False``: a plain mean all-reduce that only counts buckets (the hook-less ablation
+        votes with an explicit collective instead)."""
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.bucket_allreduces = 0
+        """All-reduces launched by the hook since construction (one per bucket per step)."""
+        self.votes_carried = 0
+        """Votes appended to a last bucket since construction."""
+        self.begin()
+
+    def begin(self) -> None:
+        """Forget the previous attempt: no buckets seen, healthy, no reduced codes."""
+        self.buckets_launched = 0
+        self.vote_cast = False
+        self.host_code = 0
+        self._loss: torch.Tensor | None = None
+        self._health: torch.Tensor | None = None
+        self._grad_sum: torch.Tensor | None = None
+        self._reduced: torch.Tensor | None = None
+
+    def mark(self, reasons: int) -> None:
+        """Add vote-phase reasons known on the host (exception, forced abort, ...)."""
+        if not 0 <= reasons < VOTE_REASONS_MAX:
+            raise ValueError(f"vote code {reasons} is not a vote-phase AbortReason")
+        self.host_code |= reasons
+
+    def watch_loss(self, loss: torch.Tensor) -> None:
+        """Vote ``NONFINITE_LOSS`` if ``loss`` is not finite (checked on device, no sync)."""
+        self._loss = loss.detach()
+
+    def watch_health(self, healthy: torch.Tensor) -> None:
+        """Vote ``HEALTH_CHECK`` if the boolean tensor ``healthy`` is false (on device)."""
+        self._health = healthy.detach()
+
+    def reduced_codes(self) -> torch.Tensor | None:
+        """The summed vote vector (slot r = rank r's code) or ``None`` if no vote was cast."""
+        return self._reduced
+
+    def _add_local_sum(self, buffer: torch.Tensor) -> None:
+        acc = torch.float64 if buffer.dtype == torch.float64 else torch.float32
+        s = torch.sum(buffer, dtype=acc)
+        self._grad_sum = s if self._grad_sum is None else self._grad_sum + s
+
+    def _vote_vector(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # Device-side arithmetic only: reading the loss or the sums here would stall
+        # the backward pass on a GPU. The bits are distinct, so sums never carry.
+        code = torch.full((), float(self.host_code), dtype=torch.float32, device=device)
+        if self._grad_sum is not None:
+            bad = ~torch.isfinite(self._grad_sum)
+            code = code + bad.to(torch.float32) * float(AbortReason.NONFINITE_GRAD)
+        if self._loss is not None:
+            bad = ~torch.isfinite(self._loss.to(device))
+            code = code + bad.to(torch.float32) * float(AbortReason.NONFINITE_LOSS)
+        if self._health is not None:
+            bad = ~self._health.to(device=device, dtype=torch.bool)
+            code = code + bad.to(torch.float32) * float(AbortReason.HEALTH_CHECK)
+        vector = torch.zeros(self.world_size, dtype=dtype, device=device)
+        vector[self.rank] = code.to(dtype)
+        return vector
+
+
+def mtgs_comm_hook(state: MTGSState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce one gradient bucket (mean over ranks) and carry the vote on the last one.
+
+    Called by DDP on every rank for every bucket, in bucket order. Never reads a
+    value back to the host and never touches other buckets or the parameters.
+    """
+    buffer = bucket.buffer()
+    if state.carry_vote:
+        state._add_local_sum(buffer)
+    buffer.div_(state.world_size)
+    if not (state.carry_vote and bucket.is_last()):
+        fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()  # type: ignore[union-attr]
+        state.buckets_launched += 1
+        state.bucket_allreduces += 1
+        return cast(torch.futures.Future[torch.Tensor], fut.then(lambda f: f.value()[0]))
+
+    n = buffer.numel()
+    packed = torch.cat([buffer, state._vote_vector(buffer.dtype, buffer.device)])
+    fut = dist.all_reduce(packed, group=state.process_group, async_op=True).get_future()  # type: ignore[union-attr]
+    state.buckets_launched += 1
+    state.bucket_allreduces += 1
+    state.votes_carried += 1
+    state.vote_cast = True
+
+    def unpack(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        reduced = f.value()[0]
+        state._reduced = reduced[n:]
+        return reduced[:n]
+
+    return cast(torch.futures.Future[torch.Tensor], fut.then(unpack))

@@ -1,0 +1,50 @@
+"""Explicit vote collectives: the commit confirmation and the hook-less vote.
+
+Both are one all-reduce of ``world_size`` int32 values: this rank writes its
+abort code into its own slot, the sum gives every rank every rank's code, and
+each rank derives the same decision from the same numbers. The wait is bounded
+by ``timeout_s``; a timeout or lost peer raises, it is never taken for a vote.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lm_resiliency.transactions.reasons import decode_codes
+
+
+class VoteCounter:
+    """Counts the collectives MTGS itself issues (reported by the benchmark)."""
+
+    def __init__(self) -> None:
+        self.explicit_votes = 0
+        self.fallback_allreduces = 0
+
+
+def exchange_codes(
+    code: int,
+    *,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    timeout_s: float,
+    counter: VoteCounter | None = None,
+) -> dict[int, int]:
+    """All-reduce this rank's abort ``code``; returns ``{rank: code}`` for every unhealthy rank.
+
+    Collective: every rank of ``group`` must call it at the same point of the
+    same step. Raises ``RuntimeError`` (from the process group) when a peer is
+    lost or the wait exceeds ``timeout_s``.
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    vector = torch.zeros(world, dtype=torch.int32, device=device)
+    vector[rank] = code
+    work = dist.all_reduce(vector, group=group, async_op=True)
+    assert work is not None
+    work.wait(timeout=timedelta(seconds=timeout_s))
+    if counter is not None:
+        counter.explicit_votes += 1
+    return decode_codes(vector)
