@@ -72,14 +72,13 @@ def correctness() -> None:
         for t in flat(state):
             t.add_(1)  # allowed after maybe_wait
         got = flat(m.load(1))
-        bad = [i for i, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)]
+        pairs = list(zip(got, expected, strict=False))
+        bad = [i for i, (a, b) in enumerate(pairs) if not torch.equal(a, b)]
         detail = ""
         if bad:
-            a, b = got[bad[0]], expected[bad[0]]
-            detail = (
-                f"{len(bad)}/{len(got)} differ; first #{bad[0]} {tuple(a.shape)} {a.dtype} "
-                f"vs {tuple(b.shape)} {b.dtype}; max|diff|={(a.double() - b.double()).abs().max().item() if a.shape == b.shape else 'shape'}"
-            )
+            a, b = pairs[bad[0]]
+            diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else "shape"
+            detail = f"{len(bad)}/{len(got)} differ; first #{bad[0]} {a.dtype}: max|diff|={diff}"
         check(
             "cuda capture bit-exact and not torn",
             len(got) == len(expected) and not bad,
