@@ -4,6 +4,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+# crc32c is not in the device image: carry its wheel in .whl/ (see docs/capture.md).
+if ls .whl/crc32c-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/crc32c-*.whl \
+    && export PYTHONPATH=src:/tmp/site
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 scripts/gpu_check.py 2>&1 | tee "${OUT:-/tmp}/gpu_check.log"
 rc=${PIPESTATUS[0]}
