@@ -75,6 +75,18 @@ class MTGSState:
         self._health: torch.Tensor | None = None
         self._grad_sum: torch.Tensor | None = None
         self._reduced: torch.Tensor | None = None
+        self.failure: BaseException | None = None
+        """The first bucket all-reduce error of this attempt (a peer died or hung)."""
+
+    def _result(self, f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        try:
+            return f.value()[0]
+        except Exception as exc:
+            # DDP may not surface a failed bucket from backward(); remember it so the
+            # vote reports the lost peer instead of a missing vote.
+            if self.failure is None:
+                self.failure = exc
+            raise
 
     def mark(self, reasons: int) -> None:
         """Add vote-phase reasons known on the host (exception, forced abort, ...)."""
@@ -131,7 +143,7 @@ def mtgs_comm_hook(state: MTGSState, bucket: GradBucket) -> torch.futures.Future
         fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()  # type: ignore[union-attr]
         state.buckets_launched += 1
         state.bucket_allreduces += 1
-        return cast(torch.futures.Future[torch.Tensor], fut.then(lambda f: f.value()[0]))
+        return cast(torch.futures.Future[torch.Tensor], fut.then(state._result))
 
     n = buffer.numel()
     packed = torch.cat([buffer, state._vote_vector(buffer.dtype, buffer.device)])
@@ -142,7 +154,7 @@ def mtgs_comm_hook(state: MTGSState, bucket: GradBucket) -> torch.futures.Future
     state.vote_cast = True
 
     def unpack(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        reduced = f.value()[0]
+        reduced = state._result(f)
         state._reduced = reduced[n:]
         return reduced[:n]
 

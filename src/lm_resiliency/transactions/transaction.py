@@ -320,6 +320,8 @@ class MTGS:
     def _vote(self, code: int, step: int) -> dict[int, int]:
         if self.config.vote_in_hook:
             reduced = self.hook.reduced_codes()
+            if reduced is None and self.hook.failure is not None:
+                self._raise_if_comm(self.hook.failure, step, "backward pass (gradient all-reduce)")
             if reduced is None:
                 raise ResiliencyError(
                     f"step {step}: the MTGS comm hook carried no vote; the backward pass must run "
