@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/lm-resiliency demo
+	$(BIN)/lm-resiliency demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -243,3 +243,16 @@ def test_closed_manager_refuses_calls_and_frees_arenas() -> None:
     assert manager.arena_bytes() == 0
     with pytest.raises(Exception, match="closed"):
         manager.save({"t": torch.ones(10)}, 2)
+
+
+def test_loaded_rng_state_can_be_restored_directly() -> None:
+    # torch.set_rng_state ignores a view's storage offset: small tensors must own storage.
+    with InMemoryCheckpointManager() as manager:
+        big = torch.randn(400_000)  # sorts before the uint8 RNG state in the arena
+        manager.save({"big": big, "rng": torch.get_rng_state()}, 1)
+        manager.maybe_wait()
+        expected = torch.rand(8)
+        state = manager.load(1)
+        torch.set_rng_state(state["rng"])
+        assert torch.equal(torch.rand(8), expected)
+        assert torch.equal(state["big"], big)

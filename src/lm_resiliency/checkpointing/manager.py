@@ -63,6 +63,8 @@ from lm_resiliency.state import decode_state
 
 log = logging.getLogger(__name__)
 
+_OWN_STORAGE_BYTES = 1 << 20
+
 
 @dataclass
 class RecoveryReport:
@@ -325,7 +327,12 @@ class InMemoryCheckpointManager:
                 log.warning("rank %d: step %d unusable on some rank; walking back", self.rank, s)
                 continue
             m = fetched.material
-            state = decode_state(m.document, m.layout.views(m.arena))
+            # Small tensors (RNG states, step counters) get storage of their own: some torch
+            # APIs, e.g. set_rng_state, ignore a view's storage offset. Large ones stay views
+            # of the private arena (no second copy).
+            views = m.layout.views(m.arena)
+            tensors = [v.clone() if v.nbytes < _OWN_STORAGE_BYTES else v for v in views]
+            state = decode_state(m.document, tensors)
             self._record(
                 RecoveryReport(
                     s,

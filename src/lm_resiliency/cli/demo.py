@@ -1,134 +1,293 @@
-"""``lm-resiliency demo``: a short multi-rank CPU training run that captures and recovers.
+"""``lm-resiliency demo``: a torchrun training job loses a worker and recovers through GEMINI.
 
-Each rank trains a small model with DDP on Gloo, GEMINI captures every
-``--interval`` steps; at ``--fault-step`` every rank loses its live state (as a
-restarted process would), the ranks agree on the newest common step, restore it
-and train on. At the end the final parameters are compared bit for bit with a
-fault-free run of the same seed and steps.
+What it runs, on CPU with Gloo (about half a minute on 2 cores with the defaults):
+
+1. torchrun's elastic launcher starts ``--world-size`` workers training a tiny
+   GPT on synthetic text with DDP; GEMINI captures every ``--interval`` steps,
+   replicates each capture to a peer rank and flushes to ``--disk-folder``
+   every ``--flush-interval`` steps;
+2. after ``--fault-step`` rank ``--fault-rank`` is SIGKILLed (first attempt only);
+   the agent notices, SIGTERMs the survivors (GEMINI's signal handler persists
+   their newest own and peer slots) and restarts the worker group
+   (``--max-restarts 1``);
+3. the new workers call ``find_latest()`` and ``load()``, restore model,
+   optimizer, RNG and data position, prime DDP's buckets and finish;
+4. a second, fault-free torchrun job of the same seed, steps and world size
+   runs, and the final parameters and optimizer state of both are compared
+   with ``torch.equal``.
+
+Exit status 0 only when the comparison passes; 1 otherwise; 2 for bad flags.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import shutil
+import sys
+import tempfile
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
+from lm_resiliency.errors import ConfigError
 
-from lm_resiliency.config import InMemoryCkptConfig
-from lm_resiliency.experimental import InMemoryCheckpointManager
-from lm_resiliency.testing import run_distributed
+_POLL_S = 0.2
+_BAR = 24
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("demo", help="run a short multi-rank CPU training run with recovery")
-    p.add_argument("--world-size", type=int, default=4, help="number of ranks (default 4)")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
-    p.add_argument("--interval", type=int, default=5, help="capture every N steps (default 5)")
-    p.add_argument("--fault-step", type=int, default=18, help="step at which state is lost")
+    p = sub.add_parser(
+        "demo",
+        help="kill a worker of a real torchrun training job and recover it through GEMINI",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--world-size", type=int, default=4, help="torchrun workers (default 4)")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
+    p.add_argument("--interval", type=int, default=5, help="GEMINI capture every N steps (5)")
+    p.add_argument(
+        "--flush-interval",
+        type=int,
+        default=20,
+        help="node-local flush every N steps (default 20; 0: only the SIGTERM flush)",
+    )
+    p.add_argument("--fault-step", type=int, default=33, help="SIGKILL after this step (33)")
+    p.add_argument("--fault-rank", type=int, default=1, help="the rank to SIGKILL (default 1)")
+    p.add_argument(
+        "--disk-folder",
+        type=Path,
+        default=None,
+        help="GEMINI node-local folder (default: a temporary folder, removed afterwards)",
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="bound per torchrun job")
+    p.add_argument(
+        "--keep-files", action="store_true", help="keep the run folders (events, torchrun logs)"
+    )
     p.set_defaults(func=run)
 
 
-def _model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)
-    )
-
-
-def _batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed * 100_003 + step * 1_009 + rank)
-    return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
-
-
-def _digest(model: nn.Module) -> str:
-    h = hashlib.sha256()
-    for t in model.state_dict().values():
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _train(
-    rank: int, world: int, steps: int, interval: int, fault_step: int, seed: int
-) -> dict[str, Any]:
-    model = nn.parallel.DistributedDataParallel(_model(seed))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    events: list[str] = []
-    recovery_s = 0.0
-    with InMemoryCheckpointManager(InMemoryCkptConfig(interval=interval)) as manager:
-        step = 1
-        faulted = fault_step <= 0
-        while step <= steps:
-            x, y = _batch(seed, step, rank)
-            nn.functional.mse_loss(model(x), y).backward()
-            manager.maybe_wait()
-            opt.step()
-            opt.zero_grad()
-            if step % interval == 0:
-                manager.save(
-                    {"model": model.module.state_dict(), "optimizer": opt.state_dict()}, step
-                )
-            if not faulted and step == fault_step:
-                faulted = True
-                t0 = time.perf_counter()
-                # Lose the live state, as a restarted worker would, and recover it.
-                model = nn.parallel.DistributedDataParallel(_model(seed + 1))
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-                latest = manager.find_latest()
-                if latest is None:
-                    raise RuntimeError("no common GEMINI step to recover")
-                state = manager.load(latest)
-                model.module.load_state_dict(state["model"])
-                opt.load_state_dict(state["optimizer"])
-                recovery_s = time.perf_counter() - t0
-                events.append(f"fault at step {step}: recovered step {latest} from own memory")
-                step = latest + 1
-                continue
-            step += 1
-        stats = manager.stats
-        return {
-            "digest": _digest(model.module),
-            "events": events,
-            "recovery_s": recovery_s,
-            "captures": stats.captures,
-            "save_ms": 1e3 * sum(stats.save_s) / max(1, len(stats.save_s)),
-        }
-
-
-def _fault_free(rank: int, world: int, steps: int, interval: int, seed: int) -> dict[str, Any]:
-    return _train(rank, world, steps, interval, 0, seed)
+def _check(args: argparse.Namespace) -> None:
+    if args.world_size < 2:
+        raise ConfigError(f"--world-size={args.world_size}: use at least 2 workers")
+    if not 0 <= args.fault_rank < args.world_size:
+        raise ConfigError(
+            f"--fault-rank={args.fault_rank} is not a rank of --world-size={args.world_size}; "
+            f"use 0..{args.world_size - 1}"
+        )
+    if not args.interval <= args.fault_step < args.steps:
+        raise ConfigError(
+            f"--fault-step={args.fault_step} must come after the first capture (--interval="
+            f"{args.interval}) and before the last step (--steps={args.steps})"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
+    from lm_resiliency.demo.launch import DemoSpec
+
+    try:
+        _check(args)
+        spec = DemoSpec(
+            steps=args.steps,
+            interval=args.interval,
+            flush_interval=args.flush_interval,
+            seed=args.seed,
+            fault_step=args.fault_step,
+            fault_rank=args.fault_rank,
+        )
+    except ConfigError as exc:
+        print(f"lm-resiliency demo: {exc}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="lmr-demo-"))
+    disk = args.disk_folder if args.disk_folder is not None else work / "gemini"
+    t0 = time.monotonic()
+    passed = False
+    try:
+        passed = _demo(args, spec, work, disk)
+    finally:
+        if args.keep_files or not passed:
+            print(f"run folders (events, torchrun logs) kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"{'PASS' if passed else 'FAIL'} in {time.monotonic() - t0:.1f} s")
+    return 0 if passed else 1
+
+
+def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
+    from lm_resiliency.demo.events import read_events
+    from lm_resiliency.demo.launch import DemoSpec, compare_final, start_job
+    from lm_resiliency.demo.timeline import summarize
+
+    n = args.world_size
     print(
-        f"lm-resiliency demo: {args.world_size} ranks, {args.steps} steps, "
-        f"capture every {args.interval}, state lost at step {args.fault_step}"
+        f"lm-resiliency demo: {n} workers under torchrun (Gloo, CPU), tiny GPT on synthetic "
+        f"text, {spec.steps} steps\n"
+        f"  GEMINI: capture every {spec.interval} steps, replicate to a peer rank, persist to "
+        f"{disk} "
+        + (f"every {spec.flush_interval} steps" if spec.flush_interval else "on SIGTERM only")
+        + "\n"
+        f"  fault: SIGKILL rank {spec.fault_rank} after step {spec.fault_step} "
+        "(first attempt only); torchrun --max-restarts 1"
     )
-    t0 = time.perf_counter()
-    faulty = run_distributed(
-        _train,
-        args.world_size,
-        args=(args.steps, args.interval, args.fault_step, args.seed),
-        timeout_s=300,
+    run_dir = work / "faulty"
+    tag = uuid.uuid4().hex[:8]
+    job = start_job(spec, run_dir, disk, nproc=n, run_id=f"demo-{tag}", max_restarts=1)
+    progress = _Progress(spec.steps, n)
+    done = _follow(job, run_dir, progress, args.timeout_s)
+    summary = summarize(read_events(run_dir))
+    if done.returncode != 0:
+        print(f"the job failed (torchrun exit {done.returncode}); its output:\n{done.describe()}")
+        return False
+    _report(summary)
+
+    print(f"reference: the same {spec.steps} steps without a fault ({n} workers)")
+    ref_dir = work / "reference"
+    t_ref = time.monotonic()
+    ref_spec = DemoSpec(
+        steps=spec.steps,
+        interval=spec.interval,
+        flush_interval=spec.flush_interval,
+        seed=spec.seed,
     )
-    for rank, r in enumerate(faulty):
-        for e in r["events"]:
-            print(f"  rank {rank}: {e} in {r['recovery_s'] * 1e3:.1f} ms")
+    ref_job = start_job(ref_spec, ref_dir, disk, nproc=n, run_id=f"demo-ref-{tag}", max_restarts=0)
+    ref = ref_job.wait(args.timeout_s)
+    if ref.returncode != 0:
+        print(f"the reference job failed (exit {ref.returncode}):\n{ref.describe()}")
+        return False
+    print(f"  done in {time.monotonic() - t_ref:.1f} s")
+    comparison = compare_final(run_dir, ref_dir)
+    digests = set(summary.finished.values()) | set(
+        summarize(read_events(ref_dir)).finished.values()
+    )
+    identical = comparison.identical and len(digests) == 1
     print(
-        f"  captures per rank: {faulty[0]['captures']}, mean save() blocking "
-        f"{faulty[0]['save_ms']:.3f} ms"
+        f"check: final parameters and optimizer state bit-identical to the fault-free run: "
+        f"{identical} ({comparison.tensors} tensors compared with torch.equal"
+        + (f"; differing: {', '.join(comparison.mismatched[:5])}" if comparison.mismatched else "")
+        + (f"; max abs diff {comparison.max_abs_diff:.3g}" if comparison.max_abs_diff else "")
+        + f"; every rank's final-state digest equal: {len(digests) == 1})"
     )
-    reference = run_distributed(
-        _fault_free, args.world_size, args=(args.steps, args.interval, args.seed), timeout_s=300
-    )
-    same = [a["digest"] == b["digest"] for a, b in zip(faulty, reference, strict=True)]
+    return identical
+
+
+class _Progress:
+    """Live lines while the faulty job runs: a bar every tenth of the run, and the fault story."""
+
+    def __init__(self, steps: int, world_size: int) -> None:
+        self.steps = steps
+        self.world_size = world_size
+        self.every = max(1, steps // 10)
+        self.last_bar = (-1, 0)  # (attempt, step) of the last bar printed
+        self.seen: set[tuple[Any, ...]] = set()
+        self.said: set[str] = set()
+
+    def update(self, records: list[dict[str, Any]]) -> None:
+        for r in records:
+            key = (r["pid"], r["event"], r["t"])
+            if key in self.seen:
+                continue
+            self.seen.add(key)
+            kind = r["event"]
+            if kind == "step":
+                self._bar(int(r["step"]), float(r["loss"]), int(r["attempt"] or 0))
+            elif kind == "fault":
+                self._say("fault", f"  ** rank {r['rank']} SIGKILLed after step {r['step']} **")
+            elif kind == "sigterm":
+                self._say(
+                    "sigterm", "  torchrun noticed: SIGTERM to the survivors (GEMINI flushes)"
+                )
+            elif kind == "started" and "fault" in self.said:
+                self._say("restart", "  torchrun restarted the worker group")
+            elif kind == "recovered":
+                self._say("recovered", f"  recovered step {r['step']} on every rank, training on")
+
+    def _bar(self, step: int, loss: float, attempt: int) -> None:
+        due = step % self.every == 0 or step == self.steps
+        if not due or (attempt, step) <= self.last_bar:
+            return
+        self.last_bar = (attempt, step)
+        filled = round(_BAR * step / self.steps)
+        print(
+            f"  [{'#' * filled}{'.' * (_BAR - filled)}] step {step:>4}/{self.steps}  "
+            f"loss {loss:.3f}  attempt {attempt}",
+            flush=True,
+        )
+
+    def _say(self, key: str, line: str) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            print(line, flush=True)
+
+
+def _follow(job: Any, run_dir: Path, progress: _Progress, timeout_s: float) -> Any:
+    from lm_resiliency.demo.events import read_events
+
+    deadline = time.monotonic() + timeout_s
+    while job.poll() is None and time.monotonic() < deadline:
+        progress.update(read_events(run_dir))
+        time.sleep(_POLL_S)
+    done = job.wait(max(1.0, deadline - time.monotonic()))
+    progress.update(read_events(run_dir))
+    return done
+
+
+def _report(summary: Any) -> None:
+    rec = summary.recovery
+    if rec is None:
+        print("no recovery happened (did the fault fire?)")
+        return
+    print(f"failure: rank {rec.fault_rank} SIGKILLed after step {rec.fault_step}")
+    for rank in summary.sigterm_ranks:
+        flushed = _flushed(rank, summary.flushed_on_sigterm.get(rank, {}))
+        print(f"  rank {rank}: SIGTERM -> GEMINI's signal flush wrote {flushed}")
+    print(f"recovery: all ranks agreed on step {rec.step} (the newest step every rank can load)")
+    for rank, source in sorted(rec.sources.items()):
+        via = _written_by(rank, rec.step, summary.flushed_on_sigterm) if "disk" in source else ""
+        print(f"  rank {rank}: {source}{via}")
+    if rec.walked_back_from:
+        print(f"  walked back past unusable steps {rec.walked_back_from}")
     print(
-        f"  final parameters bit-identical to a fault-free run: {all(same)} "
-        f"(digest {faulty[0]['digest']})"
+        f"lost steps: {rec.lost_steps} (fault after step {rec.fault_step}, resumed from {rec.step})"
     )
-    print(f"done in {time.perf_counter() - t0:.1f}s")
-    return 0 if all(same) and dist.is_available() else 1
+    total = f"{rec.total_s:.2f} s" if rec.total_s is not None else "n/a"
+    print(f"recovery time: {total} from the kill to the first step after recovery")
+    for name, what in _PHASES.items():
+        if name in rec.phases_s:
+            print(f"  {name:<10} {rec.phases_s[name]:7.3f} s  {what}")
+
+
+_PHASES = {
+    "detection": "kill -> torchrun's SIGTERM to the survivors",
+    "restart": "SIGTERM -> new workers spawned (survivors flush and exit, re-rendezvous)",
+    "startup": "new workers: interpreter, imports, process group, GEMINI manager",
+    "agreement": "find_latest(): every rank's sources gathered, newest common step",
+    "load": "load() + restoring model, optimizer, RNG, data position + priming DDP",
+}
+
+
+def _written_by(rank: int, step: int, flushed: dict[int, dict[str, Any]]) -> str:
+    """Which survivor's signal flush wrote ``rank``'s file of ``step`` from its replica.
+
+    Only said when ``rank`` did not write that file itself (a dead rank cannot).
+    """
+    own = flushed.get(rank, {}).get("own_current")
+    if own is not None and own["step"] == step:
+        return ""
+    for holder, slots in sorted(flushed.items()):
+        slot = slots.get("peer_current")
+        if slot and (slot["owner"], slot["step"]) == (rank, step) and holder != rank:
+            return f" (the file rank {holder} wrote from its replica on SIGTERM)"
+    return ""
+
+
+def _flushed(rank: int, slots: dict[str, Any]) -> str:
+    """What a rank's signal flush persisted: its newest own state and the replica it holds."""
+    parts = []
+    for role in ("own_current", "peer_current"):
+        slot = slots.get(role)
+        if slot is None:
+            continue
+        owner = "its own state" if slot["owner"] == rank else f"its replica of rank {slot['owner']}"
+        parts.append(f"{owner} at step {slot['step']}")
+    return ", ".join(parts) or "nothing new (already on disk)"

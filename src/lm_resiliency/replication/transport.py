@@ -100,8 +100,9 @@ class ReplicationChannel:
         if store is None:
             if not dist.is_initialized():
                 raise ConfigError("pass store= (torch.distributed is not initialized)")
-            # The store the job's default group rendezvoused on. torchrun hands every
-            # restart attempt a fresh store, so our keys never meet an earlier attempt's.
+            # The store the job's default group rendezvoused on. torchrun's agent keeps one
+            # store across restart attempts; lm_resiliency.distributed.init_process_group
+            # prefixes it per worker generation, so our keys never meet an earlier attempt's.
             store = dist.distributed_c10d._get_default_store()
         self.plan = plan
         self.rank = rank

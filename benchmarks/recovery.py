@@ -1,0 +1,326 @@
+"""Recovery: restore a 1 GiB state from each GEMINI source vs its physical limit and vs DCP.
+
+Two ranks (``run_distributed``, one simulated node each, each with its own
+node-local folder) capture the same-shaped state once, replicate it and persist
+own state and replica. Rank 0's sources are then forced one by one and rank 0
+times ``manager.load(step)`` (both ranks call it; it is collective):
+
+* own memory  - as captured;
+* own disk    - rank 0 ``drop_memory()``;
+* peer memory - rank 0 also deletes its own file; rank 1 holds the replica in memory;
+* peer disk   - rank 1 ``drop_memory()`` too; rank 1 reads the replica file and sends it.
+
+Physical limits measured in the same run on the same bytes: ``memcpy`` into a
+pre-faulted buffer (own memory), a raw Gloo ``isend``/``irecv`` of 16 MiB chunks,
+all posted at once (peer memory), a raw ``preadv`` of a file of the same size
+into a pre-faulted buffer (own disk), and the slower of raw read and raw Gloo
+(peer disk: a pipelined read-and-send could reach it). The incumbent:
+``torch.distributed.checkpoint`` ``save``/``load`` of the same state tree
+(``no_dist=True``), loading in place. Files are evicted from the page cache
+(``posix_fadvise(DONTNEED)``) before every timed read, ours, raw and DCP alike.
+
+Also runs the demo's faulty torchrun job once (4 workers) and reports its
+end-to-end recovery time in phases (detection, restart, startup, agreement, load).
+
+Run: ``python benchmarks/recovery.py`` (``--size-mib 256`` for a quick look,
+``--skip-demo``). Needs ~6x the size in free memory per rank. Prints a table and
+one JSON line. Targets: each of our paths >= 70 % of its limit; from memory
+>= 10x faster than DCP load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from lm_resiliency import InMemoryCkptConfig
+from lm_resiliency.capture import allocate_arena
+from lm_resiliency.experimental import InMemoryCheckpointManager
+from lm_resiliency.testing import run_distributed
+
+MIB = 1024 * 1024
+CHUNK = 16 * MIB
+SOURCES = ("own memory", "own disk", "peer memory", "peer disk")
+
+
+def _state(nbytes: int, seed: int) -> dict[str, Any]:
+    """A model/optimizer-shaped tree: float32 matrices, a bf16 block, RNG state, a step."""
+    g = torch.Generator().manual_seed(seed)
+    bf16_bytes = nbytes // 16
+    n_mats = 15
+    per = (nbytes - bf16_bytes) // n_mats // 4
+    model = {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(n_mats)}
+    return {
+        "model": model,
+        "optimizer": {"half": torch.randn(bf16_bytes // 2, generator=g).bfloat16()},
+        "rng": torch.get_rng_state(),
+        "step": 1,
+    }
+
+
+def _evict(*paths: Path) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _timed(fn: Any) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _raw_read(path: Path, into: torch.Tensor) -> None:
+    view = memoryview(into.numpy())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done : done + 64 * MIB]], done)
+            if got <= 0:
+                raise OSError(f"{path}: short read at {done}")
+            done += got
+    finally:
+        os.close(fd)
+
+
+def _raw_gloo(group: Any, rank: int, buf: torch.Tensor) -> None:
+    works = []
+    for off in range(0, buf.numel(), CHUNK):
+        piece = buf[off : off + CHUNK]
+        if rank == 1:
+            works.append(dist.isend(piece, group_dst=0, group=group))
+        else:
+            works.append(dist.irecv(piece, group_src=1, group=group))
+    for w in works:
+        w.wait()
+
+
+def _limits(rank: int, nbytes: int, repeats: int, root: Path) -> dict[str, list[float]]:
+    """memcpy, raw Gloo and raw read of ``nbytes`` (rank 0's times)."""
+    group = dist.new_group(backend="gloo")
+    src = allocate_arena(nbytes, pin=False)
+    src.random_(0, 255)
+    dst = allocate_arena(nbytes, pin=False)
+    path = root / f"raw-{rank}.bin"
+    if rank == 0:
+        with open(path, "wb") as f:
+            f.write(memoryview(src.numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+    out: dict[str, list[float]] = {"memcpy": [], "memcpy_fresh": [], "gloo": [], "read": []}
+    _raw_gloo(group, rank, dst[: 4 * MIB])  # warm-up: the first message pays the connection
+    for _ in range(repeats):
+        out["memcpy"].append(_timed(lambda: dst.copy_(src)))
+        out["memcpy_fresh"].append(_timed(src.clone))
+        out["gloo"].append(_timed(lambda: _raw_gloo(group, rank, dst if rank == 0 else src)))
+        if rank == 0:
+            _evict(path)
+        out["read"].append(_timed(lambda: _raw_read(path, dst) if rank == 0 else None))
+    if rank == 0:
+        if not torch.equal(dst, src):
+            raise AssertionError("raw read returned other bytes")
+        path.unlink()
+    return out
+
+
+def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[str, Any]:
+    config = InMemoryCkptConfig(
+        interval=1,
+        disk_flush_interval=1,
+        disk_folder=root / f"node-{rank}",
+        run_id="bench-recovery",
+        replication_chunk_size=CHUNK,
+        replication_timeout_s=600.0,
+        signal_flush=False,
+        pin_memory=False,
+    )
+    manager = InMemoryCheckpointManager(config)
+    manager.save(state, 1)
+    manager.maybe_wait()
+    manager.wait_persisted()
+    store = manager.store()
+    own_file, held_file = store.path_for(rank, 1), store.path_for(1 - rank, 1)
+    times: dict[str, list[float]] = {}
+    sources: dict[str, list[str]] = {}
+    for source in SOURCES:
+        if source == "own disk" and rank == 0:
+            manager.drop_memory()
+        if source == "peer memory" and rank == 0:
+            own_file.unlink()
+        if source == "peer disk" and rank == 1:
+            manager.drop_memory()
+        times[source] = []
+        for rep in range(repeats):
+            for f in (own_file, held_file):
+                if f.exists():
+                    _evict(f)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loaded = manager.load(1)
+            times[source].append(time.perf_counter() - t0)
+            assert manager.last_recovery is not None
+            sources[source] = manager.last_recovery.sources
+            if rep == 0:
+                _check_equal(loaded, state, source)
+            del loaded
+    manager.close()
+    return {"times": times, "sources": sources, "bytes": _nbytes(state)}
+
+
+def _check_equal(loaded: dict[str, Any], state: dict[str, Any], source: str) -> None:
+    pairs = [(loaded["model"][k], v) for k, v in state["model"].items()]
+    pairs.append((loaded["optimizer"]["half"], state["optimizer"]["half"]))
+    if not all(torch.equal(a, b) for a, b in pairs) or loaded["step"] != state["step"]:
+        raise AssertionError(f"state restored from {source} differs from the captured one")
+
+
+def _nbytes(state: dict[str, Any]) -> int:
+    tensors = [*state["model"].values(), state["optimizer"]["half"], state["rng"]]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _dcp(rank: int, state: dict[str, Any], repeats: int, root: Path) -> list[float]:
+    folder = root / "dcp"
+    times: list[float] = []
+    # Tensors only: DCP would pickle the plain "step" value.
+    tensors = {k: v for k, v in state.items() if k != "step"}
+    if rank == 0:
+        dcp.save(tensors, checkpoint_id=str(folder), no_dist=True)
+
+    def load() -> None:
+        if rank == 0:
+            dcp.load(tensors, checkpoint_id=str(folder), no_dist=True)
+
+    for _ in range(repeats):
+        if rank == 0:
+            _evict(*(p for p in folder.iterdir() if p.is_file()))
+        times.append(_timed(load))
+    return times
+
+
+def _rank(rank: int, world: int, size_mib: int, repeats: int, root: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    tmp = Path(root)
+    limits = _limits(rank, size_mib * MIB, repeats, tmp)
+    state = _state(size_mib * MIB, seed=rank)
+    ours = _ours(rank, state, repeats, tmp)
+    return {"limits": limits, "ours": ours, "dcp": _dcp(rank, state, repeats, tmp)}
+
+
+def _demo_recovery(timeout_s: float) -> dict[str, Any] | None:
+    from lm_resiliency.demo.events import read_events
+    from lm_resiliency.demo.launch import DemoSpec, start_job
+    from lm_resiliency.demo.timeline import summarize
+
+    work = Path(tempfile.mkdtemp(prefix="lmr-bench-demo-"))
+    try:
+        spec = DemoSpec(steps=40, interval=5, flush_interval=20, fault_step=33, fault_rank=1)
+        job = start_job(spec, work / "run", work / "disk", nproc=4, run_id=f"b-{uuid.uuid4().hex}")
+        done = job.wait(timeout_s)
+        rec = summarize(read_events(work / "run")).recovery
+        if done.returncode != 0 or rec is None:
+            print(f"demo job failed (exit {done.returncode}); no recovery timing")
+            return None
+        return {"total_s": rec.total_s, **{f"{k}_s": v for k, v in rec.phases_s.items()}}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-demo", action="store_true")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="lmr-bench-recovery-"))
+    try:
+        per_rank = run_distributed(
+            _rank,
+            2,
+            args=(args.size_mib, args.repeats, str(root)),
+            ranks_per_node=1,
+            timeout_s=3600,
+            pg_timeout_s=900,
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    r0 = per_rank[0]
+    med = statistics.median
+    nbytes = int(r0["ours"]["bytes"])
+    lim = {k: med(v) for k, v in r0["limits"].items()}
+    limit_of = {
+        "own memory": ("memcpy", lim["memcpy"]),
+        "own disk": ("raw read", lim["read"]),
+        "peer memory": ("raw Gloo", lim["gloo"]),
+        "peer disk": ("max(read, Gloo)", max(lim["read"], lim["gloo"])),
+    }
+    dcp_s = med(r0["dcp"])
+    print(
+        f"restore {nbytes / MIB:.0f} MiB on rank 0 of 2 ({os.cpu_count()} CPUs), median of "
+        f"{args.repeats}, page cache evicted before each read"
+    )
+    print(f"{'source':<12} {'ours s':>8} {'GB/s':>6} {'limit':>16} {'GB/s':>6} {'ours/limit':>10} "
+          f"{'DCP/ours':>8}  sources")  # fmt: skip
+    rows = []
+    for source in SOURCES:
+        ours_s = med(r0["ours"]["times"][source])
+        name, limit_s = limit_of[source]
+        row = {
+            "source": source,
+            "ours_s": round(ours_s, 4),
+            "ours_gbps": round(_gbps(nbytes, ours_s), 3),
+            "limit": name,
+            "limit_gbps": round(_gbps(nbytes, limit_s), 3),
+            "ours_over_limit": round(limit_s / ours_s, 3),
+            "dcp_over_ours": round(dcp_s / ours_s, 2),
+            "sources": r0["ours"]["sources"][source],
+        }
+        rows.append(row)
+        print(f"{source:<12} {ours_s:>8.3f} {row['ours_gbps']:>6.2f} {name:>16} "
+              f"{row['limit_gbps']:>6.2f} {row['ours_over_limit']:>10.2f} "
+              f"{row['dcp_over_ours']:>8.2f}  {','.join(row['sources'])}")  # fmt: skip
+    print(f"DCP load (no_dist, in place): {dcp_s:.3f} s, {_gbps(nbytes, dcp_s):.2f} GB/s; "
+          f"memcpy into fresh memory: {_gbps(nbytes, lim['memcpy_fresh']):.2f} GB/s")  # fmt: skip
+    demo = None if args.skip_demo else _demo_recovery(timeout_s=600)
+    if demo is not None:
+        parts = ", ".join(f"{k[:-2]} {v:.3f}" for k, v in demo.items() if k != "total_s")
+        print(f"demo (4 workers, torchrun, SIGKILL): recovery {demo['total_s']:.2f} s = {parts}")
+    print(
+        json.dumps(
+            {
+                "benchmark": "recovery",
+                "bytes": nbytes,
+                "rows": rows,
+                "dcp_load_s": round(dcp_s, 4),
+                "limits_s": {k: round(v, 4) for k, v in lim.items()},
+                "demo_recovery_s": demo,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
