@@ -169,6 +169,12 @@ def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[st
             manager.drop_memory()
         times[source] = []
         for rep in range(repeats):
+            if source == "own memory" and rep > 0:
+                # load() took the slot's arena: capture again (not timed) so the next
+                # repetition restores from memory too
+                manager.save(state, 1)
+                manager.maybe_wait()
+                manager.wait_persisted()
             for f in (own_file, held_file):
                 if f.exists():
                     _evict(f)

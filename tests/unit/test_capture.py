@@ -78,10 +78,18 @@ def test_contract_training_loop_round_trips_every_capture_bit_exactly() -> None:
                 assert opt.state_dict()["state"]
         latest = manager.find_latest()
         assert latest == 8
-        _assert_same(manager.load(8), expected[8])
-        _assert_same(manager.load(6), expected[6])  # own_previous
         assert manager.slots()["own_current"].step == 8
         assert manager.slots()["own_previous"].step == 6
+        _assert_same(manager.load(8), expected[8])
+        _assert_same(manager.load(6), expected[6])  # own_previous
+        # load() hands the slot's arena over instead of copying it: both slots are now
+        # empty and refill at the next capture; only step 2, flushed to disk at the first
+        # capture (disk_flush_interval=100), is still available
+        assert manager.arena_bytes() == 0
+        assert manager.find_latest() == 2
+        manager.save(_state(model, opt, 10), 10)
+        manager.maybe_wait()
+        assert manager.find_latest() == 10
 
 
 def test_structure_change_relayouts_and_each_slot_keeps_its_own_layout() -> None:
@@ -97,9 +105,9 @@ def test_structure_change_relayouts_and_each_slot_keeps_its_own_layout() -> None
         manager.save(_state(model, opt, 1), 1)
         manager.maybe_wait()
         assert manager.stats.relayouts == 1
+        assert manager.find_latest() == 1
         _assert_same(manager.load(0), before)
         _assert_same(manager.load(1), after)
-        assert manager.find_latest() == 1
 
 
 def test_capture_is_not_torn_by_changes_after_maybe_wait() -> None:

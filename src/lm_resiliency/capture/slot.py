@@ -109,6 +109,27 @@ class Slot:
         self.layout = None
         self.document = None
 
+    def take(self, step: int) -> tuple[Layout, torch.Tensor, dict[str, Any]]:
+        """Hand the complete capture of ``step`` over to the caller, without copying.
+
+        The slot becomes EMPTY and forgets its arena; its next capture allocates a
+        new one (off the training thread). Raises ``LookupError`` when the slot does
+        not hold a complete ``step``.
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: self._readers == 0)
+            if not self.complete or self.step != step:
+                raise LookupError(f"slot {self.name} does not hold a complete step {step}")
+            assert self.layout is not None and self.arena is not None
+            assert self.document is not None
+            taken = (self.layout, self.arena, self.document)
+            self.state = SlotState.EMPTY
+            self.step = None
+            self.arena = None
+            self.layout = None
+            self.document = None
+            return taken
+
     @contextmanager
     def reading(self, step: int | None = None) -> Iterator[Slot]:
         """Hold the slot complete (optionally at ``step``) while a background user reads it.

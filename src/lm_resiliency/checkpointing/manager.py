@@ -298,8 +298,13 @@ class InMemoryCheckpointManager:
         If any rank's state fails validation, every rank walks back to the next
         older common step (LATEST) or fails closed (RECOVERY_VERIFIED). Without
         any GEMINI step, ``load_fallback()`` is returned when given. Tensors are
-        CPU tensors, bit-identical to the captured ones. ``last_recovery`` then
-        says which step and sources were used. Raises ``NoConsistentStep``.
+        CPU tensors, bit-identical to the captured ones, owned by the caller.
+        ``last_recovery`` then says which step and sources were used. Raises
+        ``NoConsistentStep``.
+
+        Restoring from own memory copies nothing: the slot's arena is handed to
+        the caller and that slot is empty until the next capture (the step stays
+        recoverable from the peer's replica and from disk where persisted).
         """
         self._check_open()
         mode = RecoveryMode(mode)
@@ -358,15 +363,22 @@ class InMemoryCheckpointManager:
 
     def _fetch_context(self) -> FetchContext:
         def own_memory(step: int) -> Material | None:
+            # The caller gets the slot's arena itself: restoring from memory copies nothing
+            # (the slot allocates a fresh arena at its next capture, off the training thread).
             for slot in self._engine.complete_slots():
                 if slot.step == step:
-                    return _material(slot, step)
+                    return Material(*slot.take(step))
             return None
 
         def held_memory(step: int) -> Material | None:
+            # Served to its owner straight from the peer slot: nothing captures or rotates
+            # peer slots while every rank is inside load().
             for slot in self._peer.complete_slots() if self._peer is not None else []:
                 if slot.step == step:
-                    return _material(slot, step)
+                    with slot.reading(step) as s:
+                        assert s.layout is not None and s.arena is not None
+                        assert s.document is not None
+                        return Material(s.layout, s.arena, s.document)
             return None
 
         def disk(owner: int) -> Callable[[int], Material]:
@@ -463,9 +475,3 @@ class InMemoryCheckpointManager:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _material(slot: Slot, step: int) -> Material:
-    with slot.reading(step) as s:
-        assert s.layout is not None and s.arena is not None and s.document is not None
-        return Material(s.layout, s.arena.clone(), s.document)
