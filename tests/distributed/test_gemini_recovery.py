@@ -168,3 +168,32 @@ def test_explicit_step_not_common_is_refused(tmp_path) -> None:
         with pytest.raises(NoConsistentStep, match="step 4 is not available"):
             m.load(4)
         assert _same(m.load(3), _state(0, 3))
+
+
+def _shared_disk_flush(rank: int, world: int, tmp: str) -> dict:
+    with InMemoryCheckpointManager(_cfg(tmp)) as m:
+        m.save(_state(rank, 10), 10)
+        m.maybe_wait()
+        m.wait_persisted()  # replication of step 10 finished (nothing is flushed periodically)
+        if rank == 1:  # rank 1 persists first: its own shard and its replica of rank 0
+            m.flush_newest()
+        torch.distributed.barrier()
+        if rank == 0:  # rank 1's shard already exists on this (shared) disk
+            m.flush_newest()
+        torch.distributed.barrier()
+        written = m.flush_stats.written
+        m.drop_memory()
+        state = m.load()
+        return {
+            "written": written,
+            "same": _same(state, _state(rank, 10)),
+            "sources": m.last_recovery.sources,
+        }
+
+
+def test_on_one_node_a_holder_does_not_rewrite_the_owners_shard(tmp_path) -> None:
+    out = run_distributed(_shared_disk_flush, 2, args=(str(tmp_path),), timeout_s=120)
+    assert out[1]["written"] == 2  # own shard + rank 0's (not yet on disk)
+    assert out[0]["written"] == 1  # own shard only: rank 1's was already published
+    for o in out:
+        assert o["same"] and o["sources"] == ["own disk", "own disk"]

@@ -106,7 +106,13 @@ class DiskFlusher:
                     return False
                 assert s.layout is not None and s.arena is not None and s.document is not None
                 assert s.owner_rank is not None
-                self._store().write(
+                store = self._store()
+                if s.owner_rank != store.rank and store.path_for(s.owner_rank, step).exists():
+                    # Owner and holder share this disk (one node): the owner already
+                    # published the identical shard; a second write adds no redundancy.
+                    s.advance(SlotState.PERSISTED)
+                    return False
+                store.write(
                     owner_rank=s.owner_rank,
                     step=step,
                     layout=s.layout,
