@@ -39,7 +39,16 @@ def test_readme_python_examples_compile() -> None:
         compile(block, "README.md", "exec")
 
 
-@pytest.mark.parametrize("args", [["--help"], ["demo", "--help"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["demo", "--help"],
+        ["train", "--help"],
+        ["inspect", "--help"],
+        ["chunk-size", "--help"],
+    ],
+)
 def test_cli_help_runs(args: list[str]) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "lm_resiliency.cli", *args],
@@ -50,3 +59,31 @@ def test_cli_help_runs(args: list[str]) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "usage: lm-resiliency" in out.stdout
+
+
+def test_mtgs_trainer_module_help_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mtgs.trainer", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    for flag in (
+        "--mode",
+        "--steps",
+        "--mtgs-force-abort-step",
+        "--mtgs-disable-hook",
+        "--mtgs-disable-shadow",
+        "--mtgs-disable-2pc",
+        "--nproc",
+    ):
+        assert flag in out.stdout
+
+
+def test_mtgs_compatibility_imports() -> None:
+    from lm_resiliency.transactions import MTGS, MTGSConfig
+    from mtgs import MTGSState, mtgs_comm_hook
+
+    assert callable(mtgs_comm_hook) and MTGSState and MTGS and MTGSConfig
