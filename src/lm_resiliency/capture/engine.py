@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 # huge tensor does not hold one core for a whole second.
 _HOST_PIECE_BYTES = 8 * 1024 * 1024
 
+_CUDA = torch.cuda.is_available()
+
 
 @dataclass
 class CaptureStats:
@@ -250,6 +252,8 @@ class CaptureEngine:
     @staticmethod
     def _record_ready(tensors: list[torch.Tensor]) -> dict[torch.device, Any]:
         ready: dict[torch.device, Any] = {}
+        if not _CUDA:  # no device tensors can exist: skip the per-tensor scan
+            return ready
         for t in tensors:
             if t.device.type == "cuda" and t.device not in ready:
                 event = torch.cuda.Event()
