@@ -33,9 +33,10 @@ def _crash_and_restart(init: str, marker: Path) -> list[str]:
 def test_plain_init_process_group_fails_after_torchrun_restart(tmp_path: Path) -> None:
     # Documents the bug our init works around (torch 2.13): the agent's store is
     # shared by both worker groups, and the new group reads the dead group's
-    # Gloo addresses.
+    # Gloo addresses. It shows as a Gloo error or, sometimes, as a hang that the
+    # worker's watchdog turns into an exit.
     run = run_torchrun(
-        _crash_and_restart("plain", tmp_path / "fault-done"),
+        [*_crash_and_restart("plain", tmp_path / "fault-done"), "--rerun-deadline-s", "45"],
         4,
         max_restarts=1,
         timeout_s=_JOB_TIMEOUT_S,
@@ -46,7 +47,7 @@ def test_plain_init_process_group_fails_after_torchrun_restart(tmp_path: Path) -
     assert results(run.stdout, "rerun") == [], run.describe()
     assert run.returncode != 0
     gloo_errors = re.findall(r"connectFullMesh failed|Timed out waiting \d+ms for recv", run.stderr)
-    assert gloo_errors, run.describe()
+    assert gloo_errors or "RERUN-HUNG" in run.stdout, run.describe()
 
 
 def test_our_init_process_group_reforms_group_after_torchrun_restart(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -60,17 +61,31 @@ def main() -> int:
     parser.add_argument("--marker", type=Path, default=None)
     parser.add_argument("--hold-s", type=float, default=0.0)
     parser.add_argument("--pg-timeout-s", type=float, default=60.0)
+    parser.add_argument("--rerun-deadline-s", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     first_run = args.marker is None or not args.marker.exists()
     rank = int(os.environ["RANK"])
     timeout = timedelta(seconds=args.pg_timeout_s)
+    watchdog = None
+    if not first_run and args.rerun_deadline_s > 0:
+        # The plain init's failure is sometimes a hang (Gloo keeps retrying the dead
+        # group's addresses) rather than an error: bound it so the job ends promptly.
+        def expire() -> None:
+            print(f"RERUN-HUNG rank={rank}: the restarted group did not form", flush=True)
+            os._exit(4)
+
+        watchdog = threading.Timer(args.rerun_deadline_s, expire)
+        watchdog.daemon = True
+        watchdog.start()
     if args.init == "plain":
         dist.init_process_group("gloo", timeout=timeout)
     else:
         init_process_group("gloo", timeout=timeout)
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
+    if watchdog is not None:
+        watchdog.cancel()
     print(
         f"RESULT phase={'first' if first_run else 'rerun'} attempt={restart_count()} "
         f"rank={rank} world={dist.get_world_size()} sum={value.item():g}",
