@@ -192,9 +192,6 @@ class CaptureEngine:
         done = [s for s in self.slots if s.complete and s.step is not None]
         return sorted(done, key=lambda s: s.step or 0, reverse=True)
 
-    def arena_bytes(self) -> int:
-        return sum(s.arena_bytes for s in self.slots)
-
     def close(self) -> None:
         """Finish the in-flight cycle, stop the worker and free every arena."""
         if self._closed:

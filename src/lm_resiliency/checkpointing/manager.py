@@ -53,7 +53,6 @@ from lm_resiliency.recovery.availability import (
     Report,
     Source,
     gather_reports,
-    newest_common_step,
     source_table,
 )
 from lm_resiliency.recovery.loader import FetchContext, Material, fetch_step
@@ -287,8 +286,8 @@ class InMemoryCheckpointManager:
         the choice to steps every rank recorded as verified.
         """
         self._check_open()
-        table, common = self._gather(RecoveryMode(mode))
-        return newest_common_step(table, allowed=lambda s: s in common)
+        _, common = self._gather(RecoveryMode(mode))
+        return max(common) if common else None
 
     def load(self, step: int | None = None, *, mode: RecoveryMode = RecoveryMode.LATEST) -> Any:
         """Collective: this rank's state tree at ``step`` (default: the newest common one).

@@ -118,9 +118,6 @@ class PeerReplicas:
         self.stats.seconds.append(time.perf_counter() - t0)
         return True
 
-    def arena_bytes(self) -> int:
-        return sum(s.arena_bytes for s in self.slots)
-
     def close(self) -> None:
         self.channel.close()
         for s in self.slots:

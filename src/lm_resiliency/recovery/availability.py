@@ -86,14 +86,3 @@ def source_table(
                 options[s] = source  # later (cheaper) sources overwrite dearer ones
         table.append(options)
     return table
-
-
-def newest_common_step(
-    table: Sequence[dict[int, Source]], *, allowed: Callable[[int], bool] = lambda s: True
-) -> int | None:
-    """The newest step every rank can obtain (and ``allowed`` accepts), or ``None``."""
-    if not table:
-        return None
-    common = set(table[0]).intersection(*table[1:])
-    common = {s for s in common if allowed(s)}
-    return max(common) if common else None
