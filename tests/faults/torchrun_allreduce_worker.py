@@ -13,6 +13,9 @@ i.e. this worker group runs after the fault). Options:
 --marker PATH           the file that records that the fault already happened
 --hold-s S              if --marker does not exist, keep all-reducing every 0.2 s
                         for S seconds (a node can be killed from outside meanwhile)
+--rerun-stagger-s S     after the fault, the highest rank starts forming the group
+                        S seconds after the others (a worker that starts late, as
+                        on a loaded node)
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def main() -> int:
     parser.add_argument("--hold-s", type=float, default=0.0)
     parser.add_argument("--pg-timeout-s", type=float, default=60.0)
     parser.add_argument("--rerun-deadline-s", type=float, default=0.0)
+    parser.add_argument("--rerun-stagger-s", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     first_run = args.marker is None or not args.marker.exists()
@@ -78,6 +82,8 @@ def main() -> int:
         watchdog = threading.Timer(args.rerun_deadline_s, expire)
         watchdog.daemon = True
         watchdog.start()
+    if not first_run and rank == int(os.environ["WORLD_SIZE"]) - 1:
+        time.sleep(args.rerun_stagger_s)
     if args.init == "plain":
         dist.init_process_group("gloo", timeout=timeout)
     else:
