@@ -103,6 +103,48 @@ def test_a_corrupted_newest_generation_makes_every_rank_walk_back(tmp_path) -> N
         assert o["sources"] == ["own disk", "own disk"]
 
 
+def _damaged_peer_file(rank: int, world: int, tmp: str) -> dict:
+    # One folder per rank, as on separate nodes: rank 0's folder holds rank 1's replica.
+    # verify_integrity stores a CRC per chunk; without it a rotten byte goes unnoticed.
+    cfg = _cfg(str(Path(tmp) / f"node-{rank}"), disk_flush_interval=10, verify_integrity=True)
+    with InMemoryCheckpointManager(cfg) as m:
+        for step in (10, 20):
+            m.save(_state(rank, step), step)
+            m.maybe_wait()
+        m.wait_persisted()
+        m.drop_memory()
+        store = m.store()
+        if rank == 1:  # rank 1 lost its newest file: step 20 must come from rank 0's disk
+            store.path_for(1, 20).unlink()
+        else:  # ... where one data byte of the replica rotted (its header still validates)
+            path = store.path_for(1, 20)
+            data = bytearray(path.read_bytes())
+            data[-3] ^= 0x10
+            path.write_bytes(bytes(data))
+        torch.distributed.barrier()
+        newest = m.find_latest()
+        state = m.load()
+        rep = m.last_recovery
+        return {
+            "newest": newest,
+            "loaded": rep.step,
+            "walked": rep.walked_back_from,
+            "same": _same(state, _state(rank, rep.step)),
+            "sources": rep.sources,
+        }
+
+
+def test_a_rotten_byte_in_a_peers_replica_is_caught_by_its_owner_and_everyone_walks_back(
+    tmp_path,
+) -> None:
+    out = run_distributed(_damaged_peer_file, 2, args=(str(tmp_path),), timeout_s=150)
+    for o in out:
+        assert o["newest"] == 20
+        assert o["loaded"] == 10 and o["walked"] == [20]
+        assert o["same"]
+        assert o["sources"] == ["own disk", "own disk"]
+
+
 def _verified(rank: int, world: int, tmp: str) -> dict:
     with InMemoryCheckpointManager(_cfg(tmp, disk_flush_interval=10)) as m:
         m.save(_state(rank, 10), 10)

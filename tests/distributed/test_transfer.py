@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from lm_resiliency.capture.layout import Layout
+from lm_resiliency.checksums import ChunkCrc, pack_crcs
 from lm_resiliency.errors import IntegrityError, ReplicationError
 from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
 from lm_resiliency.replication.transfer import (
     CRC_CHUNK_BYTES,
     TransferKey,
-    chunk_checksums,
     recv_checkpoint,
     send_checkpoint,
 )
@@ -33,14 +33,17 @@ def _transfer(rank: int, world: int, case: str) -> str:
         try:
             if rank == 1:  # holder sends owner 0's replica home
                 header = make_header("r", 0, 7, layout, {"k": 1})
-                if case == "corrupt":  # checksums that do not match the bytes
+                if case == "corrupt":  # a trailer whose checksums do not match the bytes
+                    crc = ChunkCrc(CRC_CHUNK_BYTES, arena.numel())
+                    crc.update(arena.numpy())
                     bad = {
                         **header,
                         "transfer": key.to_json(),
                         "crc_chunk_bytes": CRC_CHUNK_BYTES,
-                        "chunk_crc32c": [c ^ 1 for c in chunk_checksums(arena)],
+                        "trailer_bytes": 8,
                     }
-                    ch.send(0, step=7, header=bad, arena=arena)
+                    wrong = pack_crcs([c ^ 1 for c in crc.digests()])
+                    ch.send(0, step=7, header=bad, arena=arena, trailer=lambda: wrong)
                 else:
                     send_checkpoint(ch, key, header=header, arena=arena)
                 return "sent"

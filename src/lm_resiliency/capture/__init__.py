@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lm_resiliency.capture.arena import allocate_arena, arena_is_pinned
+from lm_resiliency.capture.arena import allocate_arena, arena_is_pinned, populate
 from lm_resiliency.capture.layout import Layout, TensorSpec, dtype_from_name, dtype_name
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "TensorSpec",
     "allocate_arena",
     "arena_is_pinned",
+    "populate",
     "dtype_from_name",
     "dtype_name",
 ]

@@ -42,6 +42,7 @@ from lm_resiliency.checkpointing.peer import PeerReplicas, ReplicationStats
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.errors import NoConsistentStep, ResiliencyError
 from lm_resiliency.persistence import (
+    ShardReader,
     ShardStore,
     TrustStatus,
     agree_job_fingerprint,
@@ -380,12 +381,14 @@ class InMemoryCheckpointManager:
                         return Material(s.layout, s.arena, s.document)
             return None
 
-        def disk(owner: int) -> Callable[[int], Material]:
-            def read(step: int) -> Material:
-                shard = self.store().read(owner_rank=owner, step=step)
-                return Material(shard.layout, shard.arena, shard.state_document)
+        def own_disk(step: int) -> Material:
+            shard = self.store().read(owner_rank=self.rank, step=step)
+            return Material(shard.layout, shard.arena, shard.state_document)
 
-            return read
+        def held_disk(step: int) -> ShardReader:
+            # Opened and header-checked only: the bytes stream to their owner chunk by
+            # chunk, verified there against the checksums stored with them.
+            return self.store().open_reader(owner_rank=peer_owner, step=step)
 
         peer_owner = self.plan.recv_from(self.rank) if self.plan and self.plan.has_peer else -1
         return FetchContext(
@@ -395,9 +398,9 @@ class InMemoryCheckpointManager:
             plan=self.plan,
             channel=self._peer.channel if self._peer is not None else None,
             own_memory=own_memory,
-            own_disk=disk(self.rank),
+            own_disk=own_disk,
             held_memory=held_memory,
-            held_disk=disk(peer_owner),
+            held_disk=held_disk,
         )
 
     def drop_memory(self) -> None:

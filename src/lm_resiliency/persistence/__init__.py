@@ -15,6 +15,7 @@ from lm_resiliency.persistence.identity import (
     resolve_run_id,
     topology_fingerprint,
 )
+from lm_resiliency.persistence.reader import ShardReader
 from lm_resiliency.persistence.reasons import UnavailableReason
 from lm_resiliency.persistence.sidecar import SidecarStatus
 from lm_resiliency.persistence.signals import SignalFlush, install_flush_on_signal
@@ -23,6 +24,7 @@ from lm_resiliency.persistence.trust import TrustStatus
 
 __all__ = [
     "LoadedShard",
+    "ShardReader",
     "ShardStore",
     "SidecarStatus",
     "SignalFlush",

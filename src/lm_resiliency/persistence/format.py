@@ -21,7 +21,9 @@ checks every CRC before it returns anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from typing import Any
 import crc32c
 import torch
 
-from lm_resiliency.capture import Layout
+from lm_resiliency.capture import Layout, populate
 from lm_resiliency.errors import StateEncodingError
 from lm_resiliency.persistence import document
 from lm_resiliency.persistence._safefs import pread_exact, preadinto_exact, pwrite_all, write_all
@@ -304,8 +306,15 @@ def read_data(
     integ = header.doc.integrity
     chunk = integ.chunk_bytes if integ is not None else DEFAULT_CHUNK_BYTES
     futures: list[Future[int]] = []
+    with contextlib.suppress(OSError):  # a hint: the kernel reads further ahead
+        os.posix_fadvise(fd, header.data_offset, total, os.POSIX_FADV_SEQUENTIAL)
+    # The helper thread maps the next chunk's pages while this one waits for the disk,
+    # then checksums the chunk just read; the reads themselves never wait for either.
     with ThreadPoolExecutor(1, thread_name_prefix="lmr-crc") as pool:
+        pool.submit(populate, arena[:chunk])
         for off in range(0, total, chunk):
+            if off + chunk < total:
+                pool.submit(populate, arena[off + chunk : off + 2 * chunk])
             piece = view[off : off + chunk]
             got = preadinto_exact(fd, piece, header.data_offset + off)
             if got != len(piece):

@@ -43,11 +43,11 @@ from lm_resiliency.persistence.document import ShardIdentity, check_identity
 from lm_resiliency.persistence.format import (
     DEFAULT_CHUNK_BYTES,
     ShardHeader,
-    read_data,
     read_header,
     write_shard,
 )
 from lm_resiliency.persistence.publish import Recycled, publish, reap_stale_temps
+from lm_resiliency.persistence.reader import ShardReader
 from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
 from lm_resiliency.persistence.retention import SparePool, newest_verified, plan_retention
 from lm_resiliency.persistence.sidecar import (
@@ -345,6 +345,23 @@ class ShardStore:
         Raises ``ShardUnavailable`` (or its integrity / identity subclasses)
         naming the reason.
         """
+        with self.open_reader(owner_rank=owner_rank, step=step) as reader:
+            try:
+                arena = reader.read_all(into)
+            except OSError as exc:
+                raise unavailable(
+                    _R.IO_ERROR, reader.path, f"reading its data failed: {exc}"
+                ) from None
+            doc = reader.header.doc
+            path = reader.path
+            return LoadedShard(doc.layout, arena, doc.state, doc.trust, path, owner_rank, step)
+
+    def open_reader(self, *, owner_rank: int, step: int) -> ShardReader:
+        """Open ``owner_rank``'s shard of ``step`` with every check of :meth:`read`
+        but the data CRCs; the caller reads the data (and closes the reader).
+
+        Raises ``ShardUnavailable`` naming the reason.
+        """
         expected = self._identity(owner_rank, step)
         path = self.path_for(owner_rank, step)
         try:
@@ -358,14 +375,7 @@ class ShardStore:
             raise _refused(path, exc) from None
         except OSError as exc:
             raise unavailable(_R.IO_ERROR, path, f"reading it failed: {exc}") from None
-        try:
-            arena = read_data(fd, header, path, into=into)
-        except OSError as exc:
-            raise unavailable(_R.IO_ERROR, path, f"reading its data failed: {exc}") from None
-        finally:
-            os.close(fd)
-        doc = header.doc
-        return LoadedShard(doc.layout, arena, doc.state, doc.trust, path, owner_rank, step)
+        return ShardReader(fd, header, path, owner_rank, step)
 
     def steps(self, owner_rank: int) -> list[int]:
         """Steps with a published shard of ``owner_rank`` in this run and topology, ascending.

@@ -8,10 +8,14 @@ Phases, each ending in agreement so no rank applies a step another rank could
 not obtain:
 
 1. *prepare*: a rank whose source is local (own memory / own disk) reads and
-   validates its state; a rank that holds the replica a peer needs reads and
-   validates that replica. Failures are all-reduced.
+   validates its state; a rank that holds the replica a peer needs finds it in
+   memory or opens its file and validates everything but the data checksums.
+   Failures are all-reduced.
 2. *transfer*: replicas go home over the replication channel (owner <- holder),
-   with the same header validation as replication. Failures are all-reduced.
+   with the same header validation as replication and a CRC-32C per chunk. A
+   replica on disk is read and sent chunk by chunk, its stored checksums
+   travelling with it, so the owner verifies the file's bytes end to end.
+   Failures are all-reduced.
 
 Either failure makes every rank return ``None`` for this step; the caller then
 walks back to an older common step (LATEST) or fails closed (VERIFIED).
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency.capture.layout import Layout
+from lm_resiliency.persistence.reader import ShardReader
 from lm_resiliency.recovery.availability import Source
 from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
 from lm_resiliency.replication.transfer import TransferKey, recv_checkpoint, send_checkpoint
@@ -45,6 +50,10 @@ class Material:
     document: dict[str, Any]
 
 
+Served = Material | ShardReader
+"""A replica ready to be handed home: in memory, or an open, header-validated file."""
+
+
 @dataclass
 class FetchContext:
     """What :func:`fetch_step` needs from the manager of one rank."""
@@ -57,7 +66,7 @@ class FetchContext:
     own_memory: Callable[[int], Material | None]
     own_disk: Callable[[int], Material | None]
     held_memory: Callable[[int], Material | None]
-    held_disk: Callable[[int], Material | None]
+    held_disk: Callable[[int], ShardReader | None]
 
 
 @dataclass
@@ -75,8 +84,8 @@ def _any_failed(failed: bool, group: dist.ProcessGroup | None) -> bool:
     return bool(flag.item())
 
 
-def _load_local(ctx: FetchContext, source: Source, step: int) -> Material | None:
-    getter = {
+def _load_local(ctx: FetchContext, source: Source, step: int) -> Served | None:
+    getter: Callable[[int], Served | None] = {
         Source.OWN_MEMORY: ctx.own_memory,
         Source.OWN_DISK: ctx.own_disk,
         Source.PEER_MEMORY: ctx.held_memory,
@@ -93,7 +102,7 @@ def _key(step: int, *, src: int, dst: int, meta: tuple[str, int]) -> TransferKey
     return TransferKey(f"gemini/step-{step}/owner-{dst}", src, dst, step, meta[0], meta[1])
 
 
-def _exchange_metadata(served: Material | None, ctx: FetchContext) -> dict[int, tuple[str, int]]:
+def _exchange_metadata(served: Served | None, ctx: FetchContext) -> dict[int, tuple[str, int]]:
     """Collective: owner rank -> (layout digest, bytes) of the replica its holder serves."""
     mine = ("", 0) if served is None else (served.layout.digest, served.layout.total_bytes)
     plan = ctx.plan
@@ -124,11 +133,32 @@ def fetch_step(step: int, table: Sequence[dict[int, Source]], ctx: FetchContext)
     # Phase 1: read and validate everything local (own state, replica to serve).
     local = None if must_receive else _load_local(ctx, mine, step)
     served = _load_local(ctx, serve_source, step) if must_serve and serve_source else None
-    failed = (not must_receive and local is None) or (must_serve and served is None)
-    if _any_failed(failed, ctx.group):
+    try:
+        failed = (not must_receive and local is None) or (must_serve and served is None)
+        if _any_failed(failed, ctx.group):
+            return None
+        ok, received = _move_replicas(step, ctx, served, must_receive=must_receive)
+    finally:
+        if isinstance(served, ShardReader):
+            served.close()
+    if not ok:
         return None
+    if received is not None:
+        return Fetched(received, mine, received.layout.total_bytes)
+    assert isinstance(local, Material)
+    return Fetched(local, mine, 0)
 
-    # Phase 2: replicas travel home, both directions of a rank at the same time.
+
+def _move_replicas(
+    step: int, ctx: FetchContext, served: Served | None, *, must_receive: bool
+) -> tuple[bool, Material | None]:
+    """Phase 2 (collective): replicas travel home, both directions of a rank at once.
+
+    Returns whether every rank's transfers succeeded and, if this rank had to
+    receive, its state.
+    """
+    plan = ctx.plan
+    owner = plan.recv_from(ctx.rank) if plan is not None and plan.has_peer else None
     received: list[Material] = []
     errors: list[BaseException] = []
 
@@ -143,10 +173,14 @@ def fetch_step(step: int, table: Sequence[dict[int, Source]], ctx: FetchContext)
 
     def serve() -> None:
         assert ctx.channel is not None and owner is not None and served is not None
-        header = make_header(ctx.run_id, owner, step, served.layout, served.document)
         try:
             key = _key(step, src=ctx.rank, dst=owner, meta=sizes[owner])
-            send_checkpoint(ctx.channel, key, header=header, arena=served.arena)
+            if isinstance(served, ShardReader):
+                header = make_header(ctx.run_id, owner, step, served.layout, served.state_document)
+                send_checkpoint(ctx.channel, key, header=header, reader=served)
+            else:
+                header = make_header(ctx.run_id, owner, step, served.layout, served.document)
+                send_checkpoint(ctx.channel, key, header=header, arena=served.arena)
         except Exception as exc:
             errors.append(exc)
 
@@ -156,7 +190,7 @@ def fetch_step(step: int, table: Sequence[dict[int, Source]], ctx: FetchContext)
     threads = []
     if must_receive:
         threads.append(threading.Thread(target=receive, name="lmr-recover-recv"))
-    if must_serve:
+    if served is not None:
         threads.append(threading.Thread(target=serve, name="lmr-recover-send"))
     for t in threads:
         t.start()
@@ -166,8 +200,5 @@ def fetch_step(step: int, table: Sequence[dict[int, Source]], ctx: FetchContext)
         log.warning("rank %d: moving a replica of step %d failed: %s", ctx.rank, step, exc)
     failed = bool(errors) or (must_receive and not received)
     if _any_failed(failed, ctx.group):
-        return None
-    material = received[0] if must_receive else local
-    assert material is not None
-    moved = material.layout.total_bytes if must_receive else 0
-    return Fetched(material, mine, moved)
+        return False, None
+    return True, received[0] if must_receive else None

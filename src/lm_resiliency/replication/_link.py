@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lm_resiliency.capture.arena import populate
 from lm_resiliency.errors import ReplicationError
 from lm_resiliency.replication._edge import Edge, describe_failure
 from lm_resiliency.replication._wire import Frame, Tag, empty_frame
@@ -27,6 +28,15 @@ Validator = Callable[[dict[str, Any]], None]
 
 Allocator = Callable[[dict[str, Any]], torch.Tensor]
 """Returns the destination arena for a validated header (flat uint8 CPU tensor)."""
+
+ChunkSource = Callable[[int, int], torch.Tensor]
+"""``source(offset, nbytes)``: the bytes ``[offset, offset + nbytes)`` of the arena
+being sent, as a flat uint8 CPU tensor that stays untouched until that chunk's send
+completed. Called in order, at most ``max_in_flight`` chunks ahead of the oldest
+unfinished send (a ring of ``max_in_flight`` buffers can be reused)."""
+
+ChunkSink = Callable[[torch.Tensor], None]
+"""``sink(view)``: called in order with each received chunk once it has fully arrived."""
 
 
 @dataclass(frozen=True)
@@ -101,21 +111,36 @@ def _chunks(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
 
 
 def stream(
-    link: Link, arena: torch.Tensor, total_bytes: int, chunk_bytes: int, limits: Limits
+    link: Link,
+    arena: torch.Tensor | None,
+    total_bytes: int,
+    chunk_bytes: int,
+    limits: Limits,
+    *,
+    source: ChunkSource | None = None,
+    sink: ChunkSink | None = None,
 ) -> None:
-    """Move ``arena[:total_bytes]`` in chunks, ``max_in_flight`` outstanding at once."""
+    """Move ``total_bytes`` in chunks, ``max_in_flight`` outstanding at once.
+
+    Sending reads each chunk from ``source`` when given, else from ``arena``.
+    Receiving writes into ``arena``, mapping each chunk's pages just before its
+    receive is posted (so page faults overlap the chunks still in flight rather
+    than stall the transport thread), and hands each completed chunk to ``sink``.
+    """
     sending = link.direction == "send"
     post = link.send if sending else link.recv
     verb = "send" if sending else "receive"
     chunks = _chunks(total_bytes, chunk_bytes)
-    pending: deque[tuple[Any, int, int]] = deque()
+    pending: deque[tuple[Any, int, int, int]] = deque()
     done = 0
 
     def retire() -> None:
         nonlocal done
-        work, index, nbytes = pending.popleft()
+        work, index, offset, nbytes = pending.popleft()
         link.wait(work, f"{verb} chunk {index + 1}/{len(chunks)}")
         done += nbytes
+        if sink is not None and arena is not None:
+            sink(arena[offset : offset + nbytes])
         if limits.progress is not None:
             limits.progress(link.direction, done, total_bytes)
 
@@ -124,7 +149,16 @@ def stream(
             if len(pending) >= limits.max_in_flight:
                 retire()
             what = f"{verb} chunk {index + 1}/{len(chunks)}"
-            pending.append((post(arena[offset : offset + nbytes], Tag.CHUNK, what), index, nbytes))
+            if sending and source is not None:
+                piece = source(offset, nbytes)
+                if piece.dtype != torch.uint8 or piece.numel() != nbytes:
+                    raise ValueError(f"chunk source gave {piece.numel()} bytes for {nbytes}")
+            else:
+                assert arena is not None
+                piece = arena[offset : offset + nbytes]
+                if not sending:
+                    populate(piece)
+            pending.append((post(piece, Tag.CHUNK, what), index, offset, nbytes))
         while pending:
             retire()
     except BaseException:
@@ -133,7 +167,7 @@ def stream(
         # will not trust it) after this returns. After a transport failure Gloo has
         # closed the connection and these waits fail at once; after anything else
         # (a progress callback raised) they finish or time out.
-        for work, _, _ in pending:
+        for work, *_ in pending:
             with contextlib.suppress(RuntimeError):
                 link.edge.wait(work)
         raise

@@ -19,7 +19,15 @@ import torch
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.errors import ReplicationError
 from lm_resiliency.replication._edge import Edge
-from lm_resiliency.replication._link import Allocator, Limits, Link, Validator, stream
+from lm_resiliency.replication._link import (
+    Allocator,
+    ChunkSink,
+    ChunkSource,
+    Limits,
+    Link,
+    Validator,
+    stream,
+)
 from lm_resiliency.replication._wire import Frame, Kind, Tag, bytes_tensor, empty_frame
 from lm_resiliency.replication.header import check_header, decode_header
 
@@ -42,6 +50,7 @@ class Received:
     header: dict[str, Any]
     layout: Layout
     arena: torch.Tensor
+    trailer: bytes = b""
 
     @property
     def state_document(self) -> dict[str, Any]:
@@ -90,24 +99,32 @@ def _opening(link: Link, fresh: bool, first_message: Callable[[], _T]) -> _T:
     return first_message()
 
 
-def offer(
-    edge: Edge, step: int, blob: bytes | None, arena: torch.Tensor | None, limits: Limits
-) -> None:
+@dataclass(frozen=True)
+class Outgoing:
+    """What one offer sends after its header: ``total_bytes`` from ``arena`` or
+    ``source``, then (when ``trailer_bytes`` > 0) the ``trailer()`` bytes."""
+
+    total_bytes: int
+    arena: torch.Tensor | None = None
+    source: ChunkSource | None = None
+    trailer_bytes: int = 0
+    trailer: Callable[[], bytes] | None = None
+
+
+def offer(edge: Edge, step: int, blob: bytes | None, out: Outgoing | None, limits: Limits) -> None:
     """Send one arena (or a SKIP notice when ``blob`` is None) to the edge's peer.
 
     Returns once the peer acknowledged ``step`` and every byte; raises
     ``ReplicationError`` on rejection, mismatch, timeout or a lost peer.
     """
     with _dropping_edge_on_surprise(edge):
-        _offer(edge, step, blob, arena, limits)
+        _offer(edge, step, blob, out, limits)
 
 
-def _offer(
-    edge: Edge, step: int, blob: bytes | None, arena: torch.Tensor | None, limits: Limits
-) -> None:
+def _offer(edge: Edge, step: int, blob: bytes | None, out: Outgoing | None, limits: Limits) -> None:
     link = Link(edge, step, "send")
     fresh = edge.ensure(step)
-    if blob is None or arena is None:
+    if blob is None or out is None:
 
         def skip() -> None:
             notice = Frame(Kind.SKIP, step).pack()
@@ -115,7 +132,7 @@ def _offer(
 
         _opening(link, fresh, skip)
         raise link.error("replicate", "this rank had no state to send (skipped the cycle)")
-    total_bytes = arena.numel()
+    total_bytes = out.total_bytes
 
     def post_offer() -> tuple[Any, Any, torch.Tensor]:
         frame = Frame(Kind.OFFER, step, len(blob), limits.chunk_bytes).pack()
@@ -148,7 +165,13 @@ def _offer(
         raise link.protocol_error("receive header verdict", f"unexpected {verdict.kind.name}")
     ack_buf = empty_frame()
     ack_work = link.recv(ack_buf, Tag.ACK, "receive ack")
-    stream(link, arena, total_bytes, limits.chunk_bytes, limits)
+    stream(link, out.arena, total_bytes, limits.chunk_bytes, limits, source=out.source)
+    if out.trailer_bytes:
+        assert out.trailer is not None
+        trailer = out.trailer()
+        if len(trailer) != out.trailer_bytes:
+            raise ValueError(f"trailer has {len(trailer)} bytes, announced {out.trailer_bytes}")
+        link.wait(link.send(bytes_tensor(trailer), Tag.TRAILER, "send trailer"), "send trailer")
     link.wait(ack_work, "receive ack")
     try:
         ack = Frame.unpack(ack_buf)
@@ -192,13 +215,15 @@ def accept(
     recv_alloc: Allocator,
     validate: Validator | None,
     limits: Limits,
+    sink: ChunkSink | None = None,
 ) -> Received:
     """Receive one arena of ``owner_rank`` for ``step`` from the edge's peer.
 
     The header is checked (:func:`~lm_resiliency.replication.header.check_header`,
     then ``validate``) and ``recv_alloc`` called before any arena byte is
     accepted; a failed check is sent back to the peer as a rejection and raised
-    here as ``ReplicationError``.
+    here as ``ReplicationError``. ``sink`` sees each chunk once it arrived; a
+    trailer the header announces ends up in ``Received.trailer``.
     """
     with _dropping_edge_on_surprise(edge):
         return _accept(
@@ -209,6 +234,7 @@ def accept(
             recv_alloc=recv_alloc,
             validate=validate,
             limits=limits,
+            sink=sink,
         )
 
 
@@ -221,6 +247,7 @@ def _accept(
     recv_alloc: Allocator,
     validate: Validator | None,
     limits: Limits,
+    sink: ChunkSink | None,
 ) -> Received:
     link = Link(edge, step, "recv")
     fresh = edge.ensure(step)
@@ -248,6 +275,7 @@ def _accept(
             raise ReplicationError(f"offer is for step {offer_frame.step}, expected step {step}")
         header = decode_header(blob.numpy().tobytes())
         layout = check_header(header, run_id=run_id, owner_rank=owner_rank, step=step)
+        trailer_bytes = _trailer_bytes(header, limits)
         if validate is not None:
             validate(header)
         arena = recv_alloc(header)
@@ -256,10 +284,26 @@ def _accept(
         _reject(link, f"{type(exc).__name__}: {exc}", dirty=False)
         raise link.error("validate header", f"{type(exc).__name__}: {exc}") from exc
     link.wait(link.send(Frame(Kind.ACCEPT, step).pack(), Tag.VERDICT, "send accept"), "send accept")
-    stream(link, arena, layout.total_bytes, chunk_bytes, limits)
+    stream(link, arena, layout.total_bytes, chunk_bytes, limits, sink=sink)
+    trailer = b""
+    if trailer_bytes:
+        buf = torch.empty(trailer_bytes, dtype=torch.uint8)
+        link.wait(link.recv(buf, Tag.TRAILER, "receive trailer"), "receive trailer")
+        trailer = buf.numpy().tobytes()
     ack = Frame(Kind.ACK, step, layout.total_bytes).pack()
     link.wait(link.send(ack, Tag.ACK, "send ack"), "send ack")
-    return Received(owner_rank=owner_rank, step=step, header=header, layout=layout, arena=arena)
+    return Received(owner_rank, step, header, layout, arena, trailer)
+
+
+def _trailer_bytes(header: dict[str, Any], limits: Limits) -> int:
+    value = header.get("trailer_bytes", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ReplicationError(f"header field trailer_bytes={value!r} is not a byte count")
+    if value > limits.max_header_bytes:
+        raise ReplicationError(
+            f"a {value}-byte trailer exceeds the limit of {limits.max_header_bytes} bytes"
+        )
+    return value
 
 
 def _check_destination(arena: object, total_bytes: int) -> None:

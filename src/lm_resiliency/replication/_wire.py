@@ -8,7 +8,11 @@ protocol slip surfaces as an error, never as bytes landing in the wrong buffer::
     holder -> owner   ACCEPT (step)  or  REJECT (step, reason bytes, stream dirty?)
     holder -> owner   reason UTF-8 bytes                           (REJECT only)
     owner  -> holder  arena chunks, several in flight              (ACCEPT only)
+    owner  -> holder  trailer bytes            (only if the header announces them)
     holder -> owner   ACK (step received, bytes received)
+
+A trailer (``"trailer_bytes"`` in the header) carries what the sender only knows
+once every chunk went out, e.g. checksums computed while sending.
 
 Gloo pairs sends and receives of one tag in order and requires equal sizes, so
 every frame is exactly :data:`FRAME_BYTES` and every variable-size message is
@@ -50,6 +54,7 @@ class Tag(enum.IntEnum):
     REASON = 4
     CHUNK = 5
     ACK = 6
+    TRAILER = 7
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,17 @@
 
 A transfer is bound to a :class:`TransferKey`: a name chosen by the manager
 (e.g. ``"gemini/step-20/owner-1"``), the two endpoints, and the tensor metadata
-(layout digest and byte count). The sender puts the key and a CRC-32C per
-``crc_chunk_bytes`` chunk of the arena into the header; the receiver refuses a
-header whose key names other endpoints or another layout *before* accepting any
-bytes, and verifies every chunk's checksum after the bytes arrived.
+(layout digest and byte count). The sender puts the key into the header and a
+CRC-32C per ``crc_chunk_bytes`` chunk into the trailer that follows the bytes;
+the receiver refuses a header whose key names other endpoints or another layout
+*before* accepting any bytes, and checks every chunk against the trailer.
+
+Checksums are computed while the bytes move, never in a pass of their own: the
+sender checksums each chunk just before posting it (while earlier chunks are in
+flight), the receiver each chunk as it completes. A source that already knows
+its checksums (a shard file, which stores one CRC per chunk) sends those
+instead, so a corrupt file is caught end to end by the receiver, and its bytes
+are read and sent chunk by chunk (:class:`ArenaReader`), never staged whole.
 
 Call order: the two endpoints call :func:`send_checkpoint` and
 :func:`recv_checkpoint` with equal keys at the same time (both endpoints are
@@ -16,18 +23,33 @@ its ``timeout_s``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-import crc32c
 import torch
 
+from lm_resiliency.capture.arena import allocate_arena
+from lm_resiliency.checksums import ChunkCrc, crc_count, mismatched, pack_crcs, unpack_crcs
 from lm_resiliency.errors import IntegrityError, ReplicationError
 from lm_resiliency.replication._protocol import Received
 from lm_resiliency.replication.transport import ReplicationChannel
 
 CRC_CHUNK_BYTES = 16 * 1024 * 1024
-"""Checksum granularity: a corrupt chunk is named by its index."""
+"""Checksum granularity of in-memory sources: a corrupt chunk is named by its index."""
+
+
+class ArenaReader(Protocol):
+    """Bytes of an arena that are read on demand (e.g. from a shard file)."""
+
+    @property
+    def total_bytes(self) -> int: ...
+
+    def read_into(self, offset: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (flat uint8) with the bytes at ``offset``; raise if they cannot be read."""
+
+    def checksums(self) -> tuple[int, list[int]] | None:
+        """``(chunk_bytes, crcs)`` recorded when the bytes were written, if any."""
 
 
 @dataclass(frozen=True)
@@ -52,21 +74,18 @@ class TransferKey:
         }
 
 
-def chunk_checksums(arena: torch.Tensor, chunk_bytes: int = CRC_CHUNK_BYTES) -> list[int]:
-    """CRC-32C of each ``chunk_bytes`` piece of a flat ``uint8`` CPU tensor."""
-    view = arena.numpy().data
-    return [crc32c.crc32c(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)]
-
-
 def send_checkpoint(
     channel: ReplicationChannel,
     key: TransferKey,
     *,
     header: dict[str, Any],
-    arena: torch.Tensor,
+    arena: torch.Tensor | None = None,
+    reader: ArenaReader | None = None,
 ) -> None:
-    """Send ``arena`` (described by ``header``) to ``key.dst`` under ``key``.
+    """Send a checkpoint (described by ``header``) to ``key.dst`` under ``key``.
 
+    The bytes come from ``arena`` or from ``reader`` (read one chunk ahead of
+    the transport into a ring of ``channel.max_in_flight`` chunk buffers).
     ``header`` comes from :func:`~lm_resiliency.replication.make_header` for
     the owner and step the key names. Raises ``ReplicationError`` when the peer
     refuses, times out or disappears; ``ValueError`` when key and header disagree.
@@ -75,40 +94,90 @@ def send_checkpoint(
         raise ValueError(
             f"transfer {key.name!r} is from rank {key.src}, not this rank {channel.rank}"
         )
-    if key.layout_digest != header.get("layout_digest") or key.total_bytes != arena.numel():
+    if (arena is None) == (reader is None):
+        raise ValueError("pass exactly one of arena= and reader=")
+    total = arena.numel() if arena is not None else reader.total_bytes  # type: ignore[union-attr]
+    if key.layout_digest != header.get("layout_digest") or key.total_bytes != total:
         raise ValueError(f"transfer {key.name!r}: key does not describe the arena being sent")
+    known = reader.checksums() if reader is not None else None
+    crc_chunk, crcs = known if known is not None else (CRC_CHUNK_BYTES, None)
+    running = ChunkCrc(crc_chunk, total) if crcs is None else None
+    read_piece = _ring_reader(reader, channel, total) if reader is not None else None
+
+    def source(offset: int, nbytes: int) -> torch.Tensor:
+        if read_piece is not None:
+            piece = read_piece(offset, nbytes)
+        else:
+            assert arena is not None
+            piece = arena[offset : offset + nbytes]
+        if running is not None:
+            running.update(piece.numpy())
+        return piece
+
+    def trailer() -> bytes:
+        return pack_crcs(crcs if crcs is not None else running.digests())  # type: ignore[union-attr]
+
     full = {
         **header,
         "transfer": key.to_json(),
-        "crc_chunk_bytes": CRC_CHUNK_BYTES,
-        "chunk_crc32c": chunk_checksums(arena),
+        "crc_chunk_bytes": crc_chunk,
+        "trailer_bytes": 4 * crc_count(total, crc_chunk),
     }
-    channel.send(key.dst, step=key.step, header=full, arena=arena)
+    channel.send(
+        key.dst,
+        step=key.step,
+        header=full,
+        source=source,
+        trailer=trailer if full["trailer_bytes"] else None,
+    )
+
+
+def _ring_reader(
+    reader: ArenaReader, channel: ReplicationChannel, total: int
+) -> Callable[[int, int], torch.Tensor]:
+    """Read chunk after chunk into a ring of buffers the transport is done with."""
+    size = min(channel.chunk_bytes, total)
+    count = min(channel.max_in_flight, crc_count(total, max(size, 1)))
+    ring = [allocate_arena(size, pin=False) for _ in range(count)]
+    calls = 0
+
+    def read(offset: int, nbytes: int) -> torch.Tensor:
+        nonlocal calls
+        piece = ring[calls % len(ring)][:nbytes]
+        calls += 1
+        reader.read_into(offset, piece)
+        return piece
+
+    return read
 
 
 def recv_checkpoint(channel: ReplicationChannel, key: TransferKey, *, owner_rank: int) -> Received:
     """Receive the checkpoint named by ``key`` from ``key.src`` into a fresh arena.
 
     Refuses (before any bytes) a header whose transfer key differs from ``key``;
-    after the bytes arrived, verifies every chunk's CRC-32C. Raises
-    ``ReplicationError`` (transport or key mismatch) or ``IntegrityError``
+    checksums every chunk as it arrives and compares with the sender's trailer.
+    Raises ``ReplicationError`` (transport or key mismatch) or ``IntegrityError``
     (a chunk's checksum failed; its index is named).
     """
     if key.dst != channel.rank:
         raise ValueError(
             f"transfer {key.name!r} is to rank {key.dst}, not this rank {channel.rank}"
         )
+    running: list[ChunkCrc] = []
 
     def validate(header: dict[str, Any]) -> None:
         got = header.get("transfer")
         if got != key.to_json():
             raise ReplicationError(f"transfer key mismatch: expected {key.to_json()}, got {got}")
-        crcs = header.get("chunk_crc32c")
         size = header.get("crc_chunk_bytes")
-        if not isinstance(size, int) or size <= 0 or not isinstance(crcs, list):
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ReplicationError(f"transfer {key.name!r} carries no per-chunk checksums")
-        if len(crcs) != -(-key.total_bytes // size):
-            raise ReplicationError(f"transfer {key.name!r}: {len(crcs)} checksums for its size")
+        if header.get("trailer_bytes") != 4 * crc_count(key.total_bytes, size):
+            raise ReplicationError(
+                f"transfer {key.name!r}: a trailer of {header.get('trailer_bytes')!r} bytes "
+                f"cannot hold one checksum per {size}-byte chunk"
+            )
+        running.append(ChunkCrc(size, key.total_bytes))
 
     received = channel.recv(
         key.src,
@@ -116,11 +185,10 @@ def recv_checkpoint(channel: ReplicationChannel, key: TransferKey, *, owner_rank
         expect_owner=owner_rank,
         recv_alloc=lambda h: torch.empty(int(h["total_bytes"]), dtype=torch.uint8),
         validate=validate,
+        sink=lambda view: running[0].update(view.numpy()),
     )
-    expected = received.header["chunk_crc32c"]
-    size = received.header["crc_chunk_bytes"]
-    actual = chunk_checksums(received.arena, size)
-    bad = [i for i, (a, b) in enumerate(zip(actual, expected, strict=True)) if a != b]
+    actual = running[0].digests()
+    bad = mismatched(actual, unpack_crcs(received.trailer))
     if bad:
         raise IntegrityError(
             f"transfer {key.name!r} from rank {key.src}: chunk(s) {bad} of {len(actual)} "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,8 +33,15 @@ from torch.distributed import Store  # type: ignore[attr-defined]
 
 from lm_resiliency.errors import ConfigError, ReplicationError
 from lm_resiliency.replication._edge import Edge
-from lm_resiliency.replication._link import Allocator, Limits, Progress, Validator
-from lm_resiliency.replication._protocol import Received, accept, offer
+from lm_resiliency.replication._link import (
+    Allocator,
+    ChunkSink,
+    ChunkSource,
+    Limits,
+    Progress,
+    Validator,
+)
+from lm_resiliency.replication._protocol import Outgoing, Received, accept, offer
 from lm_resiliency.replication.chunking import DEFAULT_CHUNK_BYTES
 from lm_resiliency.replication.header import encode_header
 from lm_resiliency.replication.pairing import PairingPlan
@@ -141,6 +149,10 @@ class ReplicationChannel:
         return self._limits.chunk_bytes
 
     @property
+    def max_in_flight(self) -> int:
+        return self._limits.max_in_flight
+
+    @property
     def broken_edges(self) -> list[str]:
         """Edges (``"owner->holder"``) that the next transfer will rebuild first."""
         return [e.name for e in (self._out, self._in) if e.broken]
@@ -179,6 +191,8 @@ class ReplicationChannel:
         operation, after both directions have finished; the destination arena's
         content must then be treated as invalid.
         """
+        if (send_header is None) != (send_arena is None):
+            raise ValueError("send_header and send_arena must both be given or both be None")
         blob = self._prepare_send(step, send_header, send_arena)
         with self._exclusive(self._out, self._in):
             outcome: dict[str, Any] = {}
@@ -201,7 +215,8 @@ class ReplicationChannel:
             thread.start()
             send_error: BaseException | None = None
             try:
-                offer(self._out, step, blob, send_arena, self._limits)
+                out = None if send_arena is None else Outgoing(send_arena.numel(), send_arena)
+                offer(self._out, step, blob, out, self._limits)
             except BaseException as exc:
                 send_error = exc
             # Every wait inside is bounded by timeout_s, so this join is too.
@@ -217,18 +232,39 @@ class ReplicationChannel:
             raise first  # KeyboardInterrupt and friends pass through untouched
         raise ReplicationError("replication exchange failed: " + "; ".join(parts)) from first
 
-    def send(self, peer: int, *, step: int, header: dict[str, Any], arena: torch.Tensor) -> None:
+    def send(
+        self,
+        peer: int,
+        *,
+        step: int,
+        header: dict[str, Any],
+        arena: torch.Tensor | None = None,
+        source: ChunkSource | None = None,
+        trailer: Callable[[], bytes] | None = None,
+    ) -> None:
         """Send one arena to ``peer`` (one of this rank's two partners); ``peer`` must
         call :meth:`recv` for this rank and ``step`` at the same time.
 
         Used to hand a replica back to its owner during recovery (then
-        ``header["owner_rank"]`` is the receiving peer). Returns once the peer
-        acknowledged every byte; raises ``ReplicationError`` otherwise.
+        ``header["owner_rank"]`` is the receiving peer). The bytes come from
+        ``arena`` or, chunk by chunk, from ``source`` (see
+        :data:`~lm_resiliency.replication._link.ChunkSource`; a ring of
+        :attr:`max_in_flight` buffers of :attr:`chunk_bytes` suffices). When
+        ``header["trailer_bytes"]`` is set, ``trailer()`` is called after the last
+        chunk went out and must return exactly that many bytes. Returns once the
+        peer acknowledged every byte; raises ``ReplicationError`` otherwise.
         """
+        if (arena is None) == (source is None):
+            raise ValueError("pass exactly one of arena= and source=")
         blob = self._prepare_send(step, header, arena, owner=header.get("owner_rank"))
+        assert blob is not None
+        trailer_bytes = header.get("trailer_bytes", 0)
+        if bool(trailer_bytes) != (trailer is not None):
+            raise ValueError("header['trailer_bytes'] and trailer= must be given together")
+        out = Outgoing(int(header["total_bytes"]), arena, source, int(trailer_bytes), trailer)
         edge = self._edge_to(peer, sending=True)
         with self._exclusive(edge):
-            offer(edge, step, blob, arena, self._limits)
+            offer(edge, step, blob, out, self._limits)
 
     def recv(
         self,
@@ -238,13 +274,15 @@ class ReplicationChannel:
         expect_owner: int,
         recv_alloc: Allocator,
         validate: Validator | None = None,
+        sink: ChunkSink | None = None,
     ) -> Received:
         """Receive one arena from ``peer`` (one of this rank's two partners), which
         calls :meth:`send` for this rank and ``step`` at the same time.
 
         The header must carry this run, ``expect_owner`` (this rank itself when a
-        replica comes home) and ``step``. Raises ``ReplicationError`` on any
-        failure; the arena's content is then invalid.
+        replica comes home) and ``step``. ``sink(view)`` is called with each chunk
+        once it arrived, in order. Raises ``ReplicationError`` on any failure; the
+        arena's content is then invalid.
         """
         edge = self._edge_to(peer, sending=False)
         with self._exclusive(edge):
@@ -256,6 +294,7 @@ class ReplicationChannel:
                 recv_alloc=recv_alloc,
                 validate=validate,
                 limits=self._limits,
+                sink=sink,
             )
 
     def close(self) -> None:
@@ -294,9 +333,9 @@ class ReplicationChannel:
         *,
         owner: object = None,
     ) -> bytes | None:
-        if (header is None) != (arena is None):
-            raise ValueError("send_header and send_arena must both be given or both be None")
-        if header is None or arena is None:
+        if header is None:
+            if arena is not None:
+                raise ValueError("send_header and send_arena must both be given or both be None")
             return None
         expected_owner = self.rank if owner is None else owner
         if header.get("step") != step or header.get("owner_rank") != expected_owner:
@@ -304,6 +343,11 @@ class ReplicationChannel:
                 f"header is for owner {header.get('owner_rank')!r} step {header.get('step')!r}, "
                 f"but this transfer is for owner {expected_owner} step {step}"
             )
+        if arena is None:
+            total = header.get("total_bytes")
+            if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+                raise ValueError(f"header total_bytes={total!r} is not a byte count")
+            return encode_header(header)
         if (
             arena.dtype != torch.uint8
             or arena.dim() != 1
