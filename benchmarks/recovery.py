@@ -14,8 +14,8 @@ healthy node would, so it does not compete for the disk):
 
 Physical limits measured in the same run on the same bytes: ``memcpy`` into a
 pre-faulted buffer (own memory), a raw Gloo ``isend``/``irecv`` of 16 MiB chunks,
-all posted at once (peer memory), a raw ``preadv`` of a file of the same size
-into a pre-faulted buffer (own disk), and the slower of raw read and raw Gloo
+all posted at once (peer memory), a raw ``preadv`` (64 MiB calls, sequential
+readahead hint) of a file of the same size into a pre-faulted buffer (own disk), and the slower of raw read and raw Gloo
 (peer disk: a pipelined read-and-send could reach it). A restore has to fill
 memory it just allocated; the same limits into freshly allocated memory are
 printed for reference (ratios use the pre-faulted, stricter ones). The incumbent:
@@ -95,6 +95,7 @@ def _raw_read(path: Path, into: torch.Tensor) -> None:
     view = memoryview(into.numpy())
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # the kernel's best readahead
         done = 0
         while done < len(view):
             got = os.preadv(fd, [view[done : done + 64 * MIB]], done)
@@ -174,7 +175,7 @@ def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[st
     )
     manager = InMemoryCheckpointManager(config)
     store = manager.store()
-    own_file, held_file = store.path_for(rank, 1), store.path_for(1 - rank, 1)
+    step = 0
     times: dict[str, list[float]] = {}
     sources: dict[str, list[str]] = {}
     for source in SOURCES:
@@ -185,9 +186,11 @@ def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[st
             # rank 0 loses what the source under test requires; rank 1 restores from
             # its own memory (a hand-over, no bytes), as on a separate healthy node,
             # so rank 0's restore has the disk and the cores the limits had.
-            manager.save(state, 1)
+            step += 1
+            manager.save(state, step)
             manager.maybe_wait()
             manager.wait_persisted()
+            own_file, held_file = store.path_for(rank, step), store.path_for(1 - rank, step)
             if rank == 0 and source != "own memory":
                 manager.drop_memory()
                 if source != "own disk":
@@ -201,7 +204,7 @@ def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[st
                     _evict(f)
             dist.barrier()
             t0 = time.perf_counter()
-            loaded = manager.load(1)
+            loaded = manager.load(step)
             times[source].append(time.perf_counter() - t0)
             assert manager.last_recovery is not None
             sources[source] = manager.last_recovery.sources
