@@ -15,8 +15,9 @@ healthy node would, so it does not compete for the disk):
 Physical limits measured in the same run on the same bytes: ``memcpy`` into a
 pre-faulted buffer (own memory), a raw Gloo ``isend``/``irecv`` of 16 MiB chunks,
 all posted at once (peer memory), a raw ``preadv`` (64 MiB calls, sequential
-readahead hint) of a file of the same size into a pre-faulted buffer (own disk), and the slower of raw read and raw Gloo
-(peer disk: a pipelined read-and-send could reach it). A restore has to fill
+readahead hint) of a file of the same size into a pre-faulted buffer (own
+disk), and the slower of raw read and raw Gloo (peer disk: a pipelined
+read-and-send could reach it). A restore has to fill
 memory it just allocated; the same limits into freshly allocated memory are
 printed for reference (ratios use the pre-faulted, stricter ones). The incumbent:
 ``torch.distributed.checkpoint`` ``save``/``load`` of the same state tree
@@ -178,6 +179,7 @@ def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[st
     step = 0
     times: dict[str, list[float]] = {}
     sources: dict[str, list[str]] = {}
+    phases: dict[str, list[dict[str, float]]] = {}
     for source in SOURCES:
         times[source] = []
         for rep in range(repeats):
@@ -208,11 +210,12 @@ def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[st
             times[source].append(time.perf_counter() - t0)
             assert manager.last_recovery is not None
             sources[source] = manager.last_recovery.sources
+            phases.setdefault(source, []).append(manager.last_recovery.phases_s)
             if rep == 0:
                 _check_equal(loaded, state, source)
             del loaded
     manager.close()
-    return {"times": times, "sources": sources, "bytes": _nbytes(state)}
+    return {"times": times, "sources": sources, "phases": phases, "bytes": _nbytes(state)}
 
 
 def _check_equal(loaded: dict[str, Any], state: dict[str, Any], source: str) -> None:
@@ -332,6 +335,10 @@ def main() -> None:
         print(f"{source:<12} {ours_s:>8.3f} {row['ours_gbps']:>6.2f} {name:>16} "
               f"{row['limit_gbps']:>6.2f} {row['ours_over_limit']:>10.2f} "
               f"{row['dcp_over_ours']:>8.2f}  {','.join(row['sources'])}")  # fmt: skip
+    for source in SOURCES:
+        runs = r0["ours"]["phases"][source]
+        parts = ", ".join(f"{k} {med([p[k] for p in runs]):.3f}" for k in runs[0] if k != "fetch")
+        print(f"  {source:<12} phases (median s): {parts}")
     print(f"DCP load (no_dist, in place): {dcp_s:.3f} s, {_gbps(nbytes, dcp_s):.2f} GB/s")
     print("the same limits into freshly allocated memory (page faults included), GB/s: "
           f"memcpy {_gbps(nbytes, lim['memcpy_fresh']):.2f}, raw Gloo "

@@ -335,17 +335,14 @@ class InMemoryCheckpointManager:
             # Small tensors (RNG states, step counters) get storage of their own: some torch
             # APIs, e.g. set_rng_state, ignore a view's storage offset. Large ones stay views
             # of the private arena (no second copy).
+            t2 = time.perf_counter()
             views = m.layout.views(m.arena)
             tensors = [v.clone() if v.nbytes < _OWN_STORAGE_BYTES else v for v in views]
             state = decode_state(m.document, tensors)
+            t3 = time.perf_counter()
+            phases = {"agree": t_agree, "fetch": t2 - t1, **fetched.phases_s, "decode": t3 - t2}
             self._record(
-                RecoveryReport(
-                    s,
-                    [t[s].label for t in table],
-                    fetched.bytes_moved,
-                    failed,
-                    {"agree": t_agree, "fetch": time.perf_counter() - t1},
-                )
+                RecoveryReport(s, [t[s].label for t in table], fetched.bytes_moved, failed, phases)
             )
             return state
         if self.load_fallback is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,8 @@ class Material:
     document: dict[str, Any]
 
 
+_PEER_SOURCES = (Source.PEER_MEMORY, Source.PEER_DISK)
+
 Served = Material | ShardReader
 """A replica ready to be handed home: in memory, or an open, header-validated file."""
 
@@ -74,6 +77,8 @@ class Fetched:
     material: Material
     source: Source
     bytes_moved: int
+    phases_s: dict[str, float]
+    """``prepare`` (local reads and checks, agreed) and ``transfer`` (replicas home, agreed)."""
 
 
 def _any_failed(failed: bool, group: dist.ProcessGroup | None) -> bool:
@@ -127,26 +132,33 @@ def fetch_step(step: int, table: Sequence[dict[int, Source]], ctx: FetchContext)
     plan = ctx.plan
     owner = plan.recv_from(ctx.rank) if plan is not None and plan.has_peer else None
     serve_source = table[owner].get(step) if owner is not None else None
-    must_serve = serve_source in (Source.PEER_MEMORY, Source.PEER_DISK)
-    must_receive = mine in (Source.PEER_MEMORY, Source.PEER_DISK)
+    must_serve = serve_source in _PEER_SOURCES
+    must_receive = mine in _PEER_SOURCES
 
     # Phase 1: read and validate everything local (own state, replica to serve).
+    t0 = time.perf_counter()
     local = None if must_receive else _load_local(ctx, mine, step)
     served = _load_local(ctx, serve_source, step) if must_serve and serve_source else None
     try:
         failed = (not must_receive and local is None) or (must_serve and served is None)
         if _any_failed(failed, ctx.group):
             return None
-        ok, received = _move_replicas(step, ctx, served, must_receive=must_receive)
+        t1 = time.perf_counter()
+        # Every rank sees the same table: when no rank needs a replica, nobody moves one.
+        if any(t[step] in _PEER_SOURCES for t in table):
+            ok, received = _move_replicas(step, ctx, served, must_receive=must_receive)
+        else:
+            ok, received = True, None
     finally:
         if isinstance(served, ShardReader):
             served.close()
     if not ok:
         return None
+    phases = {"prepare": t1 - t0, "transfer": time.perf_counter() - t1}
     if received is not None:
-        return Fetched(received, mine, received.layout.total_bytes)
+        return Fetched(received, mine, received.layout.total_bytes, phases)
     assert isinstance(local, Material)
-    return Fetched(local, mine, 0)
+    return Fetched(local, mine, 0, phases)
 
 
 def _move_replicas(
