@@ -25,6 +25,32 @@ def _arena() -> tuple[Layout, torch.Tensor]:
     return layout, arena
 
 
+class _BytesReader:
+    """An ArenaReader over bytes in memory (a file's role), optionally with stored CRCs."""
+
+    def __init__(self, arena: torch.Tensor, stored: tuple[int, list[int]] | None) -> None:
+        self._arena = arena
+        self._stored = stored
+        self.reads: list[tuple[int, int]] = []
+
+    @property
+    def total_bytes(self) -> int:
+        return self._arena.numel()
+
+    def read_into(self, offset: int, out: torch.Tensor) -> None:
+        self.reads.append((offset, out.numel()))
+        out.copy_(self._arena[offset : offset + out.numel()])
+
+    def checksums(self) -> tuple[int, list[int]] | None:
+        return self._stored
+
+
+def _stored_crcs(arena: torch.Tensor, chunk: int, *, flip: bool) -> tuple[int, list[int]]:
+    crc = ChunkCrc(chunk, arena.numel())
+    crc.update(arena.numpy())
+    return chunk, [c ^ 1 if flip and i == 2 else c for i, c in enumerate(crc.digests())]
+
+
 def _transfer(rank: int, world: int, case: str) -> str:
     plan = PairingPlan.build(2, 1)
     layout, arena = _arena()
@@ -44,6 +70,14 @@ def _transfer(rank: int, world: int, case: str) -> str:
                     }
                     wrong = pack_crcs([c ^ 1 for c in crc.digests()])
                     ch.send(0, step=7, header=bad, arena=arena, trailer=lambda: wrong)
+                elif case.startswith("reader"):
+                    stored = None
+                    if case != "reader":  # checksums recorded with the bytes (a shard file)
+                        stored = _stored_crcs(arena, 3 << 20, flip=case == "reader-rotten")
+                    reader = _BytesReader(arena, stored)
+                    send_checkpoint(ch, key, header=header, reader=reader)
+                    # read chunk by chunk, in order, never the whole arena at once
+                    assert [o for o, _ in reader.reads] == list(range(0, arena.numel(), 1 << 20))
                 else:
                     send_checkpoint(ch, key, header=header, arena=arena)
                 return "sent"
@@ -61,6 +95,17 @@ def _transfer(rank: int, world: int, case: str) -> str:
 
 def test_named_transfer_arrives_bit_identical() -> None:
     assert run_distributed(_transfer, 2, args=("ok",), timeout_s=90) == ["received True", "sent"]
+
+
+def test_a_streamed_source_arrives_bit_identical_with_computed_or_stored_checksums() -> None:
+    for case in ("reader", "reader-stored"):
+        out = run_distributed(_transfer, 2, args=(case,), timeout_s=90)
+        assert out == ["received True", "sent"], case
+
+
+def test_stored_checksums_that_do_not_match_the_streamed_bytes_fail_at_the_owner() -> None:
+    out = run_distributed(_transfer, 2, args=("reader-rotten",), timeout_s=90)
+    assert out[0].startswith("IntegrityError") and "chunk(s) [2] of 6" in out[0], out[0]
 
 
 def test_transfer_with_a_wrong_key_is_refused_before_any_bytes() -> None:
