@@ -11,6 +11,7 @@ peer transfer does end to end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ class ShardReader:
 
     def __init__(self, fd: int, header: ShardHeader, path: Path, owner_rank: int, step: int):
         self._fd: int | None = fd
+        with contextlib.suppress(OSError):  # consumers read front to back: read ahead further
+            os.posix_fadvise(fd, header.data_offset, 0, os.POSIX_FADV_SEQUENTIAL)
         self.header = header
         self.path = path
         self.owner_rank = owner_rank

@@ -23,7 +23,7 @@ its ``timeout_s``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -84,8 +84,9 @@ def send_checkpoint(
 ) -> None:
     """Send a checkpoint (described by ``header``) to ``key.dst`` under ``key``.
 
-    The bytes come from ``arena`` or from ``reader`` (read one chunk ahead of
-    the transport into a ring of ``channel.max_in_flight`` chunk buffers).
+    The bytes come from ``arena`` or from ``reader`` (read on a helper thread
+    :data:`READ_AHEAD_CHUNKS` chunks ahead of the transport, into a ring of
+    ``channel.max_in_flight + READ_AHEAD_CHUNKS`` chunk buffers).
     ``header`` comes from :func:`~lm_resiliency.replication.make_header` for
     the owner and step the key names. Raises ``ReplicationError`` when the peer
     refuses, times out or disappears; ``ValueError`` when key and header disagree.
@@ -102,7 +103,7 @@ def send_checkpoint(
     known = reader.checksums() if reader is not None else None
     crc_chunk, crcs = known if known is not None else (CRC_CHUNK_BYTES, None)
     running = ChunkCrc(crc_chunk, total) if crcs is None else None
-    read_piece = _ring_reader(reader, channel, total) if reader is not None else None
+    read_piece = _ReadAhead(reader, channel, total) if reader is not None else None
 
     def source(offset: int, nbytes: int) -> torch.Tensor:
         if read_piece is not None:
@@ -123,32 +124,65 @@ def send_checkpoint(
         "crc_chunk_bytes": crc_chunk,
         "trailer_bytes": 4 * crc_count(total, crc_chunk),
     }
-    channel.send(
-        key.dst,
-        step=key.step,
-        header=full,
-        source=source,
-        trailer=trailer if full["trailer_bytes"] else None,
-    )
+    try:
+        channel.send(
+            key.dst,
+            step=key.step,
+            header=full,
+            source=source,
+            trailer=trailer if full["trailer_bytes"] else None,
+        )
+    finally:
+        if read_piece is not None:
+            read_piece.close()
 
 
-def _ring_reader(
-    reader: ArenaReader, channel: ReplicationChannel, total: int
-) -> Callable[[int, int], torch.Tensor]:
-    """Read chunk after chunk into a ring of buffers the transport is done with."""
-    size = min(channel.chunk_bytes, total)
-    count = min(channel.max_in_flight, crc_count(total, max(size, 1)))
-    ring = [allocate_arena(size, pin=False) for _ in range(count)]
-    calls = 0
+READ_AHEAD_CHUNKS = 2
+"""How many chunks a streamed source is read ahead of the transport."""
 
-    def read(offset: int, nbytes: int) -> torch.Tensor:
-        nonlocal calls
-        piece = ring[calls % len(ring)][:nbytes]
-        calls += 1
-        reader.read_into(offset, piece)
-        return piece
 
-    return read
+class _ReadAhead:
+    """A :data:`ChunkSource` reading ``reader`` on a helper thread, ahead of the sends.
+
+    Buffers form a ring of ``max_in_flight + READ_AHEAD_CHUNKS``; the transport
+    asks for chunk ``c`` only once fewer than ``max_in_flight`` sends are
+    unfinished, so the buffer that chunk ``c + READ_AHEAD_CHUNKS`` reuses held a
+    chunk whose send has completed. Reading and sending thus overlap, and the
+    disk keeps working while the network does.
+    """
+
+    def __init__(self, reader: ArenaReader, channel: ReplicationChannel, total: int) -> None:
+        self._reader = reader
+        self._chunk = channel.chunk_bytes
+        self._total = total
+        self._count = crc_count(total, self._chunk)
+        size = min(self._chunk, total)
+        ring = min(channel.max_in_flight + READ_AHEAD_CHUNKS, self._count)
+        # With a buffer per chunk nothing is ever reused: read everything ahead.
+        self._lead = self._count if ring == self._count else READ_AHEAD_CHUNKS
+        self._ring = [allocate_arena(size, pin=False) for _ in range(ring)]
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lmr-read-ahead")
+        self._reads: dict[int, Future[None]] = {}
+        self._submitted = 0
+
+    def _buffer(self, index: int) -> torch.Tensor:
+        offset = index * self._chunk
+        return self._ring[index % len(self._ring)][: min(self._chunk, self._total - offset)]
+
+    def __call__(self, offset: int, nbytes: int) -> torch.Tensor:
+        index = offset // self._chunk
+        if offset != index * self._chunk or nbytes != self._buffer(index).numel():
+            raise ValueError(f"unexpected chunk [{offset}, +{nbytes}) of {self._chunk}-byte chunks")
+        while self._submitted < min(index + self._lead + 1, self._count):
+            j = self._submitted
+            read = self._reader.read_into
+            self._reads[j] = self._pool.submit(read, j * self._chunk, self._buffer(j))
+            self._submitted += 1
+        self._reads.pop(index).result()  # a failed read raises here, in the sending thread
+        return self._buffer(index)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def recv_checkpoint(channel: ReplicationChannel, key: TransferKey, *, owner_rank: int) -> Received:
