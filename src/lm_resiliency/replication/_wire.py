@@ -30,7 +30,7 @@ import torch
 from lm_resiliency.errors import ReplicationError
 
 _MAGIC = b"LMRR"
-_PROTOCOL = 1
+_PROTOCOL = 2  # 2: optional trailer after the chunks
 _FORMAT = "<4sHHqqq"
 FRAME_BYTES = struct.calcsize(_FORMAT)
 
