@@ -32,6 +32,7 @@ class _BytesReader:
         self._arena = arena
         self._stored = stored
         self.reads: list[tuple[int, int]] = []
+        self.fail_at: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -39,6 +40,8 @@ class _BytesReader:
 
     def read_into(self, offset: int, out: torch.Tensor) -> None:
         self.reads.append((offset, out.numel()))
+        if self.fail_at is not None and offset >= self.fail_at:
+            raise OSError(f"disk error at byte {offset}")
         out.copy_(self._arena[offset : offset + out.numel()])
 
     def checksums(self) -> tuple[int, list[int]] | None:
@@ -70,6 +73,13 @@ def _transfer(rank: int, world: int, case: str) -> str:
                     }
                     wrong = pack_crcs([c ^ 1 for c in crc.digests()])
                     ch.send(0, step=7, header=bad, arena=arena, trailer=lambda: wrong)
+                elif case == "reader-fails":  # the holder's disk fails mid-stream
+                    reader = _BytesReader(arena, None)
+                    reader.fail_at = 5 << 20
+                    try:
+                        send_checkpoint(ch, key, header=header, reader=reader)
+                    except OSError as exc:
+                        return f"send failed: {exc}"
                 elif case.startswith("reader"):
                     stored = None
                     if case != "reader":  # checksums recorded with the bytes (a shard file)
@@ -106,6 +116,14 @@ def test_a_streamed_source_arrives_bit_identical_with_computed_or_stored_checksu
 def test_stored_checksums_that_do_not_match_the_streamed_bytes_fail_at_the_owner() -> None:
     out = run_distributed(_transfer, 2, args=("reader-rotten",), timeout_s=90)
     assert out[0].startswith("IntegrityError") and "chunk(s) [2] of 6" in out[0], out[0]
+
+
+def test_a_source_failing_mid_stream_fails_both_ends_without_a_stall() -> None:
+    # The sender drops the edge, so the owner's pending receive fails at once rather
+    # than after the channel's 20 s timeout (the run's own bound is 90 s).
+    out = run_distributed(_transfer, 2, args=("reader-fails",), timeout_s=90)
+    assert out[1] == "send failed: disk error at byte 5242880"
+    assert out[0].startswith("ReplicationError"), out[0]
 
 
 def test_transfer_with_a_wrong_key_is_refused_before_any_bytes() -> None:
