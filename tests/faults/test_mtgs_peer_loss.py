@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lm_resiliency.errors import CollectiveTimeout, StepAborted
+from lm_resiliency.errors import CollectiveTimeout, ResiliencyError, StepAborted
 from lm_resiliency.faults import FaultInjector
 from lm_resiliency.models import GPTConfig, TinyGPT, synthetic_batches
 from lm_resiliency.testing import kill_point, run_distributed
@@ -133,3 +133,36 @@ def test_stopped_rank_makes_the_survivor_time_out_without_applying_the_step() ->
     # the stopped rank resumed later, found its peer gone and failed too, cleanly
     assert out[1]["type"] in ("StepAborted", "CollectiveTimeout")
     assert out[1]["step"] == 3
+
+
+def _step_without_sync(rank: int, world: int, first_step_ok: bool) -> str:
+    torch.manual_seed(0)
+    model = TinyGPT(_CFG)
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = synthetic_batches(1, 4, 16, 64, rank=rank, world_size=world)
+    txn = MTGS(ddp, opt, config=MTGSConfig(collective_timeout_s=10.0))
+
+    def closure() -> torch.Tensor:
+        x, y = next(data)
+        loss: torch.Tensor = ddp(x, y)
+        return loss
+
+    if first_step_ok:
+        txn.step(closure)
+    try:
+        with ddp.no_sync():  # a usage error: no gradient all-reduce, so no vote
+            txn.step(closure)
+    except ResiliencyError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_step_without_gradient_sync_is_a_usage_error_not_a_lost_peer() -> None:
+    # The hook never ran in this step: whatever earlier steps did, that is a usage
+    # error (DDP.no_sync()), never reported as a collective failure.
+    for first_step_ok in (False, True):
+        out = run_distributed(_step_without_sync, 2, args=(first_step_ok,), timeout_s=120)
+        for message in out:
+            assert message.startswith("ResiliencyError: step"), message
+            assert "carried no vote" in message and "no_sync" in message
