@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from lm_resiliency.transactions import AbortReason, RngState, describe, reason_names
+from lm_resiliency.transactions import AbortReason, RngState, describe, health, reason_names
 from lm_resiliency.transactions.reasons import VOTE_REASONS_MAX, decode_codes
 
 
@@ -39,3 +39,22 @@ def test_rng_restore_replays_torch_python_and_numpy_draws() -> None:
     assert torch.equal(first[0], again[0])
     assert first[1] == again[1]
     assert np.array_equal(first[2], again[2])
+
+
+def test_every_gloo_failure_text_seen_in_a_backward_pass_is_a_communication_error() -> None:
+    # Texts backward() raised on the survivor of a stopped peer (torch 2.13, Gloo). The
+    # last one has no source path: classed as a local error it once turned a peer's
+    # timeout into a bogus "comm hook carried no vote" usage error.
+    seen = [
+        "Got the following error when running the callback: RuntimeError: [/__w/pytorch/"
+        "pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+        "waiting 3000ms for recv operation to complete",
+        "Got the following error when running the callback: RuntimeError: [/__w/pytorch/"
+        "pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer",
+        "Got the following error when running the callback: RuntimeError: Application "
+        "timeout caused pair closure",
+    ]
+    for text in seen:
+        assert health.is_communication_error(RuntimeError(text)), text
+    assert health.is_timeout(RuntimeError(seen[2]))
+    assert not health.is_communication_error(RuntimeError("mat1 and mat2 shapes cannot be"))

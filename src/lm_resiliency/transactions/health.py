@@ -23,6 +23,9 @@ _COMM_MARKERS = (
     "Broken pipe",
     "Timed out waiting",
     "Operation timed out",
+    # After one operation timed out, Gloo closes every pair of the group and fails the
+    # other pending ones with this text alone (no source path in it).
+    "Application timeout caused pair closure",
     "ProcessGroup",
 )
 _TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout", "timeout")
