@@ -69,33 +69,28 @@ def test_a_rank_without_memory_recovers_from_its_peers_memory(tmp_path, world: i
     assert out[1]["moved"] > 0 and out[0]["moved"] == 0
 
 
-def _walk_back(rank: int, world: int, tmp: str) -> dict:
-    cfg = _cfg(tmp, disk_flush_interval=10)
-    with InMemoryCheckpointManager(cfg) as m:
-        for step in (10, 20):
-            m.save(_state(rank, step), step)
-            m.maybe_wait()
-        m.wait_persisted()
-        m.drop_memory()  # a restarted job: only node-local files remain
-        newest = m.find_latest()
-        if rank == 1:  # damage rank 1's newest shard (its own file and the peer's copy)
-            path = m.store().path_for(1, 20)
-            data = path.read_bytes()
-            path.write_bytes(data[: len(data) // 2])
-        torch.distributed.barrier()
-        state = m.load()
-        rep = m.last_recovery
-        return {
-            "newest": newest,
-            "loaded": rep.step,
-            "walked": rep.walked_back_from,
-            "same": _same(state, _state(rank, rep.step)),
-            "sources": rep.sources,
-        }
+def _persisted_then_restarted(m: InMemoryCheckpointManager, rank: int) -> None:
+    """Steps 10 and 20 captured and persisted, then memory lost as in a restarted job."""
+    for step in (10, 20):
+        m.save(_state(rank, step), step)
+        m.maybe_wait()
+    m.wait_persisted()
+    m.drop_memory()
 
 
-def test_a_corrupted_newest_generation_makes_every_rank_walk_back(tmp_path) -> None:
-    out = run_distributed(_walk_back, 2, args=(str(tmp_path),), timeout_s=150)
+def _outcome(m: InMemoryCheckpointManager, rank: int, newest: int | None) -> dict:
+    state = m.load()
+    rep = m.last_recovery
+    return {
+        "newest": newest,
+        "loaded": rep.step,
+        "walked": rep.walked_back_from,
+        "same": _same(state, _state(rank, rep.step)),
+        "sources": rep.sources,
+    }
+
+
+def _assert_all_walked_back_to_10_from_own_disk(out: list[dict]) -> None:
     for o in out:
         assert o["newest"] == 20
         assert o["loaded"] == 10 and o["walked"] == [20]
@@ -103,16 +98,29 @@ def test_a_corrupted_newest_generation_makes_every_rank_walk_back(tmp_path) -> N
         assert o["sources"] == ["own disk", "own disk"]
 
 
+def _walk_back(rank: int, world: int, tmp: str) -> dict:
+    with InMemoryCheckpointManager(_cfg(tmp, disk_flush_interval=10)) as m:
+        _persisted_then_restarted(m, rank)  # only node-local files remain
+        newest = m.find_latest()
+        if rank == 1:  # damage rank 1's newest shard (its own file and the peer's copy)
+            path = m.store().path_for(1, 20)
+            data = path.read_bytes()
+            path.write_bytes(data[: len(data) // 2])
+        torch.distributed.barrier()
+        return _outcome(m, rank, newest)
+
+
+def test_a_corrupted_newest_generation_makes_every_rank_walk_back(tmp_path) -> None:
+    out = run_distributed(_walk_back, 2, args=(str(tmp_path),), timeout_s=150)
+    _assert_all_walked_back_to_10_from_own_disk(out)
+
+
 def _damaged_peer_file(rank: int, world: int, tmp: str) -> dict:
     # One folder per rank, as on separate nodes: rank 0's folder holds rank 1's replica.
     # verify_integrity stores a CRC per chunk; without it a rotten byte goes unnoticed.
     cfg = _cfg(str(Path(tmp) / f"node-{rank}"), disk_flush_interval=10, verify_integrity=True)
     with InMemoryCheckpointManager(cfg) as m:
-        for step in (10, 20):
-            m.save(_state(rank, step), step)
-            m.maybe_wait()
-        m.wait_persisted()
-        m.drop_memory()
+        _persisted_then_restarted(m, rank)
         store = m.store()
         if rank == 1:  # rank 1 lost its newest file: step 20 must come from rank 0's disk
             store.path_for(1, 20).unlink()
@@ -122,27 +130,14 @@ def _damaged_peer_file(rank: int, world: int, tmp: str) -> dict:
             data[-3] ^= 0x10
             path.write_bytes(bytes(data))
         torch.distributed.barrier()
-        newest = m.find_latest()
-        state = m.load()
-        rep = m.last_recovery
-        return {
-            "newest": newest,
-            "loaded": rep.step,
-            "walked": rep.walked_back_from,
-            "same": _same(state, _state(rank, rep.step)),
-            "sources": rep.sources,
-        }
+        return _outcome(m, rank, m.find_latest())
 
 
 def test_a_rotten_byte_in_a_peers_replica_is_caught_by_its_owner_and_everyone_walks_back(
     tmp_path,
 ) -> None:
     out = run_distributed(_damaged_peer_file, 2, args=(str(tmp_path),), timeout_s=150)
-    for o in out:
-        assert o["newest"] == 20
-        assert o["loaded"] == 10 and o["walked"] == [20]
-        assert o["same"]
-        assert o["sources"] == ["own disk", "own disk"]
+    _assert_all_walked_back_to_10_from_own_disk(out)
 
 
 def _verified(rank: int, world: int, tmp: str) -> dict:
