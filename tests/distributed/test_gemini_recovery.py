@@ -55,6 +55,7 @@ def _peer_memory(rank: int, world: int, tmp: str) -> dict:
             "same": _same(state, _state(rank, step)),
             "sources": rep.sources,
             "moved": rep.bytes_moved,
+            "phases": sorted(rep.phases_s),
         }
 
 
@@ -67,6 +68,7 @@ def test_a_rank_without_memory_recovers_from_its_peers_memory(tmp_path, world: i
         assert o["sources"][1] == "peer memory"
         assert o["sources"][0] == "own memory"
     assert out[1]["moved"] > 0 and out[0]["moved"] == 0
+    assert out[0]["phases"] == ["agree", "decode", "fetch", "prepare", "transfer"]
 
 
 def _persisted_then_restarted(m: InMemoryCheckpointManager, rank: int) -> None:

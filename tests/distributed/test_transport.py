@@ -178,6 +178,10 @@ def _rejected(rank: int, world: int, case: str) -> dict[str, Any]:
             arena = torch.zeros(layout.total_bytes + 1, dtype=torch.uint8)
         elif case == "tensor_table":
             header["layout"]["tensors"][0][3] = [1, 1]  # shape no longer matches the digest
+        elif case == "trailer_bytes":
+            header["trailer_bytes"] = -1
+        elif case == "trailer_too_large":
+            header["trailer_bytes"] = 1 << 40
     allocations: list[int] = []
 
     def alloc(h: dict[str, Any]) -> torch.Tensor:
@@ -230,6 +234,8 @@ def _error_of(fn: Any) -> str | None:
         ("digest", "header layout_digest '00000000000000000000000000000000' does not match"),
         ("total_bytes", "header total_bytes"),
         ("tensor_table", "header layout is invalid: "),
+        ("trailer_bytes", "header field trailer_bytes=-1 is not a byte count"),
+        ("trailer_too_large", "a 1099511627776-byte trailer exceeds the limit"),
         ("owner", "header owner_rank 1 is not the expected owner 0"),
         ("validator", "ReplicationError: state_document lacks 'sampler'"),
         ("alloc_fails", "MemoryError: no host memory for a 2301875-byte peer slot"),

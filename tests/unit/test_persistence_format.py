@@ -7,6 +7,7 @@ import os
 import struct
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 from safetensors import safe_open
@@ -132,6 +133,33 @@ def test_read_into_a_provided_arena(tmp_path: Path) -> None:
     target = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     loaded = store.read(owner_rank=0, step=3, into=target)
     assert loaded.arena is target and torch.equal(target, arena)
+
+
+def test_a_shard_reader_reads_any_range_and_hands_out_the_stored_checksums(
+    tmp_path: Path,
+) -> None:
+    tensors, names = _state(4)
+    layout, arena = _arena(tensors, names)
+    store = _store(tmp_path, chunk_bytes=64)
+    store.write(owner_rank=0, step=6, layout=layout, arena=arena, state_document={"k": 2})
+    with store.open_reader(owner_rank=0, step=6) as reader:
+        assert reader.layout.digest == layout.digest and reader.state_document == {"k": 2}
+        assert reader.total_bytes == layout.total_bytes
+        piece = torch.empty(50, dtype=torch.uint8)
+        reader.read_into(70, piece)
+        assert torch.equal(piece, arena[70:120])
+        chunk, crcs = reader.checksums() or (0, [])
+        expected = [crc32c.crc32c(arena[i : i + 64].numpy()) for i in range(0, arena.numel(), 64)]
+        assert chunk == 64 and crcs == expected
+        with pytest.raises(ValueError, match="outside the shard"):
+            reader.read_into(layout.total_bytes - 10, piece)
+        assert torch.equal(reader.read_all(), arena)
+    with pytest.raises(ValueError, match="is closed"):
+        reader.read_into(0, piece)
+    plain = _store(tmp_path / "plain", integrity=False)
+    plain.write(owner_rank=0, step=6, layout=layout, arena=arena, state_document={})
+    with plain.open_reader(owner_rank=0, step=6) as reader:
+        assert reader.checksums() is None
 
 
 def test_crc_failure_names_the_damaged_chunk(tmp_path: Path) -> None:

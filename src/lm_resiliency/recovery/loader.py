@@ -146,7 +146,7 @@ def fetch_step(step: int, table: Sequence[dict[int, Source]], ctx: FetchContext)
         t1 = time.perf_counter()
         # Every rank sees the same table: when no rank needs a replica, nobody moves one.
         if any(t[step] in _PEER_SOURCES for t in table):
-            ok, received = _move_replicas(step, ctx, served, must_receive=must_receive)
+            ok, received = _move_replicas(step, ctx, owner, served, must_receive=must_receive)
         else:
             ok, received = True, None
     finally:
@@ -162,15 +162,20 @@ def fetch_step(step: int, table: Sequence[dict[int, Source]], ctx: FetchContext)
 
 
 def _move_replicas(
-    step: int, ctx: FetchContext, served: Served | None, *, must_receive: bool
+    step: int,
+    ctx: FetchContext,
+    owner: int | None,
+    served: Served | None,
+    *,
+    must_receive: bool,
 ) -> tuple[bool, Material | None]:
     """Phase 2 (collective): replicas travel home, both directions of a rank at once.
 
+    ``owner`` is the rank whose replica this rank holds (``served`` is it, if needed).
     Returns whether every rank's transfers succeeded and, if this rank had to
     receive, its state.
     """
     plan = ctx.plan
-    owner = plan.recv_from(ctx.rank) if plan is not None and plan.has_peer else None
     received: list[Material] = []
     errors: list[BaseException] = []
 
