@@ -9,6 +9,7 @@ import shutil
 import stat
 import struct
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -359,3 +360,34 @@ def test_reserving_a_slot_on_a_full_tmpfs_is_a_clear_error_not_sigbus(small_tmpf
         assert os.listdir(fd) == []  # the temp file is gone too
     finally:
         os.close(fd)
+
+
+def test_recovery_says_what_it_did_in_one_info_line(
+    _isolated_memory_folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _crash_after((10, 20))
+    with caplog.at_level(logging.INFO), InMemoryCheckpointManager(_cfg()) as m:
+        m.load(m.find_latest())
+        m.close(finished=False)
+    lines = [r.getMessage() for r in caplog.records if "GEMINI recovered" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("GEMINI recovered step 20 (own memory on ranks")
+
+
+def test_a_restarted_job_that_recovers_nothing_warns_without_any_logging_setup(
+    tmp_path: Path,
+) -> None:
+    code = (
+        "from lm_resiliency import InMemoryCkptConfig\n"
+        "from lm_resiliency.experimental import InMemoryCheckpointManager\n"
+        f"cfg = InMemoryCkptConfig(run_id='r', disk_folder={str(tmp_path)!r})\n"
+        "m = InMemoryCheckpointManager(cfg)\n"
+        "assert m.find_latest() is None\n"
+        "m.close(finished=False)\n"
+    )
+    env = {**os.environ, "TORCHELASTIC_RESTART_COUNT": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [ln for ln in done.stderr.splitlines() if "GEMINI recovers nothing" in ln]
+    assert "no step is available on every rank" in line and "rank 0: none" in line
