@@ -169,3 +169,54 @@ def test_sigterm_during_an_exception_handlers_flush_neither_deadlocks_nor_tears_
     with InMemoryCheckpointManager(cfg) as m:
         assert m.find_latest() == 7
         assert torch.equal(m.load(7)["w"], torch.full((96 << 20,), 7.0))
+
+
+EXITING_CHILD = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from lm_resiliency import InMemoryCkptConfig
+    from lm_resiliency.experimental import InMemoryCheckpointManager
+
+    cfg = InMemoryCkptConfig(interval=1, disk_folder=sys.argv[1], disk_flush_interval=0,
+                             run_id="exit-flush", memory_folder=sys.argv[2] or None)
+    manager = InMemoryCheckpointManager(cfg)
+    for step in (3, 4):
+        manager.save({"w": torch.full((1000,), float(step)), "step": step}, step)
+        manager.maybe_wait()
+    manager.wait_persisted()
+    raise RuntimeError("Connection closed by peer")  # a survivor's collective error, uncaught
+    """
+)
+
+
+def _exit_on_error(tmp_path: Path, memory: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING_CHILD)
+    folder = tmp_path / "ckpt"
+    done = subprocess.run(
+        [sys.executable, str(script), str(folder), memory],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1 and "Connection closed by peer" in done.stderr, done.stderr
+    return done, folder
+
+
+def test_an_uncaught_exception_persists_slots_that_live_in_process_memory(tmp_path) -> None:
+    done, folder = _exit_on_error(tmp_path, "")
+    assert "persisting the newest slots first" in done.stderr
+    cfg = InMemoryCkptConfig(
+        disk_folder=folder, run_id="exit-flush", memory_folder=None, signal_flush=False
+    )
+    with InMemoryCheckpointManager(cfg) as m:
+        assert m.find_latest() == 4
+        assert torch.equal(m.load(4)["w"], torch.full((1000,), 4.0))
+
+
+def test_an_uncaught_exception_writes_nothing_when_the_slots_survive(tmp_path) -> None:
+    done, folder = _exit_on_error(tmp_path, str(tmp_path / "shm"))
+    assert "persisting" not in done.stderr
+    assert not list(folder.rglob("*.safetensors"))  # memory outlives the process anyway

@@ -30,6 +30,7 @@ comes from memory, not disk.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import sys
@@ -172,6 +173,10 @@ class InMemoryCheckpointManager:
         self._exit_flush = ExitFlush(
             self._flush_consistent, deadline_s=cfg.signal_flush_deadline_s, after=self._after_flush
         )
+        # A process that ends without close() (a survivor leaving on its collective error)
+        # must stop our background threads before the interpreter tears torch down, or the
+        # C++ runtime aborts the exit; the memory slots stay for the restarted worker.
+        atexit.register(self._stop_threads)
         self._signal = None
         self._excepthook: Any = None
         if cfg.enable and cfg.signal_flush:
@@ -398,6 +403,15 @@ class InMemoryCheckpointManager:
 
         self._excepthook = (hook, previous)
         sys.excepthook = hook
+
+    def _stop_threads(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._flusher.close()
+        self._engine.close()
+        if self.tier is not None:
+            self.tier.close(remove=False)
 
     @property
     def survives_process(self) -> bool:
@@ -651,6 +665,7 @@ class InMemoryCheckpointManager:
             except (OSError, UnsafePathError) as exc:
                 log.warning("rank %d: could not mark the run finished: %s", self.rank, exc)
         self._closed = True
+        atexit.unregister(self._stop_threads)
         self._flusher.close()
         if self._signal is not None:
             self._signal.uninstall()
