@@ -7,7 +7,8 @@ import json
 import sys
 from typing import Any
 
-from lm_resiliency.persistence.catalog import RunInfo, ShardInfo, scan, to_json
+from lm_resiliency.errors import UnsafePathError
+from lm_resiliency.persistence.catalog import RunInfo, ShardInfo, problems, scan, to_json
 
 
 def register(subparsers: Any) -> None:
@@ -19,7 +20,9 @@ def register(subparsers: Any) -> None:
             "List every run, topology, generation (step) and rank shard under DIR with its size "
             "and trust status, plus each rank's status sidecar. Headers are always validated "
             "(format, identity, tensor table, size); --verify also reads every shard and checks "
-            "its CRC-32C values. Read-only. Exit code 1 when any shard is unavailable."
+            "its CRC-32C values. Entries owned by another user, writable by group or others, "
+            "or of the wrong kind (a symlink, a FIFO) are problems. Read-only; run it as the "
+            "job's user. Exit code 1 when any shard is unavailable or any entry is unsafe."
         ),
     )
     parser.add_argument("dir", metavar="DIR", help="the disk_folder of the checkpoint config")
@@ -28,29 +31,18 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _problems(runs: list[RunInfo]) -> list[ShardInfo]:
-    return [
-        shard
-        for run in runs
-        for topo in run.topologies
-        for gen in topo.generations
-        for shard in gen.shards
-        if shard.problem is not None
-    ]
-
-
 def run(args: argparse.Namespace) -> int:
     """Print the catalog; 0 when every shard is usable, 1 otherwise, 2 when DIR is unreadable."""
     try:
         runs = scan(args.dir, verify=args.verify)
-    except OSError as exc:
+    except (OSError, UnsafePathError) as exc:
         print(f"lm-resiliency inspect: error: cannot read {args.dir}: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"dir": args.dir, "verify": args.verify, "runs": to_json(runs)}, indent=1))
     else:
         _print_table(args.dir, runs, verify=args.verify)
-    return 1 if _problems(runs) else 0
+    return 1 if problems(runs) else 0
 
 
 def _size(nbytes: int) -> str:
@@ -89,5 +81,5 @@ def _print_table(folder: str, runs: list[RunInfo], *, verify: bool) -> None:
                 print(f"    status rank {rank}: {json.dumps(status)}")
             for stray in topo.stray:
                 print(f"    other entry: {stray}")
-    for shard in _problems(runs):
-        print(f"problem: {shard.detail}")
+    for line in problems(runs):
+        print(f"problem: {line}")

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lm_resiliency.persistence._safefs import FILE_MODE, check_name, entry_kind
+from lm_resiliency.persistence._safefs import FILE_MODE, check_name, entry_kind, open_file_nofollow
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _PID_NS = "/proc/self/ns/pid"
@@ -165,13 +165,13 @@ def publish(
     """
     check_name(final_name)
     tmp = temp_name(final_name)
-    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_WRONLY
     if recycle is not None:
         os.rename(recycle.name, tmp, src_dir_fd=recycle.dir_fd, dst_dir_fd=dir_fd)
     else:
         flags |= os.O_CREAT | os.O_EXCL
     try:
-        fd = os.open(tmp, flags, FILE_MODE, dir_fd=dir_fd)
+        fd = open_file_nofollow(dir_fd, tmp, flags, where=tmp, mode=FILE_MODE)
         try:
             size = write(fd)
             if recycle is not None:

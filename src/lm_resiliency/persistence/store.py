@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import stat
 import threading
 import weakref
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from lm_resiliency.errors import ConfigError, ShardUnavailable, SidecarUnavailab
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence._safefs import (
     entry_kind,
+    judge,
     open_file_nofollow,
     open_subdir,
     opened_dir,
@@ -119,9 +119,15 @@ def open_shard(
     return fd, header
 
 
+_UNSAFE_REASONS = {
+    "symlink": _R.SYMLINK,
+    "foreign_owner": _R.FOREIGN_OWNER,
+    "writable_by_others": _R.WRITABLE_BY_OTHERS,
+}
+
+
 def _refused(path: Path, exc: UnsafePathError) -> ShardUnavailable:
-    reason = _R.SYMLINK if "symlink" in str(exc) else _R.NOT_A_FILE
-    return unavailable(reason, path, str(exc))
+    return unavailable(_UNSAFE_REASONS.get(exc.reason, _R.NOT_A_FILE), path, str(exc))
 
 
 class ShardStore:
@@ -395,14 +401,22 @@ class ShardStore:
             step = ns.parse_step_dir(name)
             if step is None or entry_kind(topo_fd, name) != "dir":
                 continue
+            shard_name = f"{name}/{ns.shard_file(owner_rank)}"
             try:
-                shard = os.stat(
-                    f"{name}/{ns.shard_file(owner_rank)}", dir_fd=topo_fd, follow_symlinks=False
-                )
+                step_st = os.stat(name, dir_fd=topo_fd, follow_symlinks=False)
+                shard = os.stat(shard_name, dir_fd=topo_fd, follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISREG(shard.st_mode):  # a regular file, not a link
+            # Only a regular file of ours in a directory of ours counts: a link, a FIFO or
+            # an entry another user planted is never offered to recovery.
+            where = str(self.topology_path / shard_name)
+            problem = judge(step_st, str(self.topology_path / name), expect="dir") or judge(
+                shard, where, expect="file"
+            )
+            if problem is None:
                 found.append(step)
+            else:
+                log.warning("rank %d: step %d is not used: %s", self.rank, step, problem)
         return sorted(found)
 
     # -- status sidecar ------------------------------------------------------------
