@@ -1,4 +1,4 @@
-"""Walking the checkpoint folder safely: no symlinks, no foreign owners.
+"""Walking the checkpoint folder safely: no symlinks, no foreign owners, no FIFOs.
 
 Every directory below the (resolved) checkpoint root is opened relative to its
 parent's descriptor with ``O_NOFOLLOW | O_DIRECTORY``, and every file with
@@ -14,7 +14,9 @@ Every descriptor is ``fstat``-ed before it is used:
   shared sticky directory such as ``/tmp`` (mode ``1777``). Otherwise another
   local user could plant, swap or remove what recovery reads.
 * a file must be a regular file owned by us and not writable by group or
-  others (:func:`check_file_fd`).
+  others (:func:`check_file_fd`). Files are opened with ``O_NONBLOCK``, so a
+  FIFO, device or socket in place of a file is refused at once instead of
+  blocking the open.
 * a file is overwritten in place only when it is the one we parked (same
   device and inode) and has no other hard link (``sole_link``): writing through
   a second link would change a file outside the checkpoint folder or a
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import pwd
 import stat
@@ -43,8 +46,9 @@ from lm_resiliency.errors import UnsafePathError
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NOCTTY: a terminal in place of a file must not become our controlling terminal.
-_FILE_FLAGS = os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO (or a device) must never wait for a peer; O_NOCTTY:
+# a terminal in place of a file must not become our controlling terminal.
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 #: ``UnsafePathError.reason`` values.
@@ -332,7 +336,9 @@ def open_file_nofollow(
 ) -> int:
     """Open file ``name`` of ``dir_fd`` safely and return the (blocking) descriptor.
 
-    Never follows a link: ``O_NOFOLLOW | O_NOCTTY | O_CLOEXEC`` are added to ``flags``. With
+    Never follows a link and never blocks in ``open``: ``O_NOFOLLOW |
+    O_NONBLOCK | O_NOCTTY | O_CLOEXEC`` are added to ``flags`` (``O_NONBLOCK``
+    is cleared again once the descriptor is known to be a regular file). With
     ``O_CREAT`` in ``flags`` a new file gets ``mode`` (default 0o600). The
     descriptor is checked with :func:`check_file_fd`. Raises
     ``FileNotFoundError`` when absent (without ``O_CREAT``), ``UnsafePathError``
@@ -350,6 +356,7 @@ def open_file_nofollow(
         raise
     try:
         check_file_fd(fd, where)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
         raise
