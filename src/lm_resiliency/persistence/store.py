@@ -282,10 +282,10 @@ class ShardStore:
         spare = self._spares.take(want_bytes) if self._spares is not None else None
         if spare is not None:
             try:
-                publish(step_fd, name, write, recycle=Recycled(topo_fd, spare))
+                publish(step_fd, name, write, recycle=Recycled(topo_fd, spare.name, spare.identity))
                 return
             except FileNotFoundError:
-                log.debug("spare %s vanished; writing a new file", spare)
+                log.debug("spare %s vanished; writing a new file", spare.name)
         publish(step_fd, name, write)
 
     # -- retention ---------------------------------------------------------------
@@ -325,8 +325,9 @@ class ShardStore:
         except (FileNotFoundError, UnsafePathError):
             return
         try:
+            where = str(self.path_for(owner_rank, step))
             if entry_kind(step_fd, name) == "file" and not (
-                self._spares is not None and self._spares.park(step_fd, name, topo_fd)
+                self._spares is not None and self._spares.park(step_fd, name, topo_fd, where=where)
             ):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=step_fd)
