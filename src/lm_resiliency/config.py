@@ -35,7 +35,9 @@ class InMemoryCkptConfig:
     """Bytes per replication send (see ``estimate_chunk_size``)."""
 
     disk_flush_interval: int = 100
-    """Persist every this many steps (a multiple of ``interval`` is sensible); ``0`` disables."""
+    """Persist the first capture, then each capture at least this many steps after the
+    previously persisted one (a multiple of ``interval`` is sensible); ``0`` disables periodic
+    flushes (the signal flush, ``flush_newest()`` and ``flush_on_close`` still write)."""
 
     disk_folder: str | Path = "./checkpoints"
     """Node-local checkpoint directory."""
