@@ -181,6 +181,7 @@ class ShardStore:
         self._lock = threading.Lock()
         self._spares = SparePool() if recycle_files else None
         self._trust_cache: dict[tuple[int, int], TrustStatus] = {}
+        self._reported: set[tuple[int, int, str]] = set()
         with opened_dir(self.root, self._parts[:1], create=True) as run_fd:
             ns.ensure_run_manifest(run_fd, run_id, where=str(self.root / self._parts[0]))
             reap_stale_temps(run_fd)
@@ -416,7 +417,8 @@ class ShardStore:
             )
             if problem is None:
                 found.append(step)
-            else:
+            elif (step, owner_rank, problem.reason) not in self._reported:
+                self._reported.add((step, owner_rank, problem.reason))  # once, not per write
                 log.warning("rank %d: step %d is not used: %s", self.rank, step, problem)
         return sorted(found)
 
