@@ -40,6 +40,7 @@ import pwd
 import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Literal
 
 from lm_resiliency.errors import UnsafePathError
 
@@ -126,7 +127,7 @@ def _me() -> str:
 
 
 def judge(
-    st: os.stat_result, where: str, *, expect: str, root: bool = False
+    st: os.stat_result, where: str, *, expect: Literal["dir", "file"], root: bool = False
 ) -> UnsafePathError | None:
     """The refusal for an entry whose ``stat`` is ``st``, or ``None`` when it is safe.
 
@@ -245,7 +246,9 @@ def check_file_fd(
 # -- opening ---------------------------------------------------------------------------
 
 
-def _refuse(dir_fd: int, name: str, where: str, *, expect: str) -> UnsafePathError:
+def _refuse(
+    dir_fd: int, name: str, where: str, *, expect: Literal["dir", "file"]
+) -> UnsafePathError:
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
