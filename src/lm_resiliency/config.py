@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lm_resiliency._validate import Rule, at_least, positive_time, validate
 
 MiB = 1024 * 1024
+MEMORY_FOLDER_ENV = "LM_RESILIENCY_MEMORY_FOLDER"
+DEFAULT_MEMORY_FOLDER = "/dev/shm/lm-resiliency"
+RESUME_CHOICES = ("unfinished", "finished")
+
+
+def default_memory_folder() -> str:
+    """``$LM_RESILIENCY_MEMORY_FOLDER`` if set, else ``/dev/shm/lm-resiliency``."""
+    return os.environ.get(MEMORY_FOLDER_ENV) or DEFAULT_MEMORY_FOLDER
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +81,26 @@ class InMemoryCkptConfig:
     copy_rate_limit_bytes_per_s: int | None = None
     """CPU path only: cap the background copy rate to protect foreground compute on few cores."""
 
+    memory_folder: str | Path | None = field(default_factory=default_memory_folder)
+    """Node-local memory filesystem (tmpfs) for the slot arenas, so they outlive the process
+    and a restarted worker recovers from memory; ``None`` = process memory (lost with it).
+    Default ``/dev/shm/lm-resiliency`` (or ``$LM_RESILIENCY_MEMORY_FOLDER``)."""
+
+    memory_required: bool = False
+    """Fail (``MemoryFolderFull``) instead of falling back to process memory when the memory
+    folder is unusable or too small."""
+
+    keep_memory_on_close: bool = False
+    """Keep the memory slots when the manager is closed after a successful run."""
+
+    control_timeout_s: float = 300.0
+    """Bound on every agreement collective (identity, availability, recovery); a rank that
+    does not answer in time makes every other rank fail, naming it."""
+
+    resume: str = "unfinished"
+    """``"unfinished"``: a new launch with this run id resumes it unless it finished;
+    ``"finished"``: resume even a finished run (e.g. to train further)."""
+
     def __post_init__(self) -> None:
         validate(self, _RULES)
 
@@ -113,6 +142,18 @@ _RULES = {
     "keep_generations": at_least(1, "is invalid; keep at least 1 generation", "keep_generations=2"),
     "replication_timeout_s": positive_time("60"),
     "signal_flush_deadline_s": positive_time("25"),
+    "control_timeout_s": positive_time("300"),
+    "resume": Rule(
+        lambda v: v in RESUME_CHOICES,
+        f"is invalid; use one of {list(RESUME_CHOICES)}",
+        'resume="unfinished"',
+    ),
+    "memory_folder": Rule(
+        lambda v: bool(str(v)),
+        "is empty; use a tmpfs directory such as /dev/shm/lm-resiliency, or None for process "
+        "memory",
+        'memory_folder="/dev/shm/lm-resiliency"',
+    ),
     "copy_rate_limit_bytes_per_s": at_least(
         MiB,
         "is invalid; use None (no limit) or at least 1 MiB/s, e.g. 1_000_000_000",

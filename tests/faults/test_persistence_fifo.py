@@ -20,6 +20,7 @@ from lm_resiliency.cli.main import main
 from lm_resiliency.errors import ShardUnavailable, SidecarUnavailable, UnsafePathError
 from lm_resiliency.experimental import InMemoryCheckpointManager
 from lm_resiliency.persistence import ShardStore
+from lm_resiliency.persistence.identity import agree_job_fingerprint, topology_fingerprint
 
 torch.set_num_threads(1)
 TOPO = "f" * 64
@@ -43,48 +44,51 @@ def _fifo_in_place_of(path: Path) -> None:
     os.mkfifo(path, 0o600)
 
 
-def test_fifo_status_sidecar_is_unknown_status_not_a_hang(
+def test_fifo_status_sidecars_are_refused_not_waited_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
     store = _store(tmp_path)
     _write(store, 2)
     store.mark_verified(2)
     store.close()
-    sidecar = store.topology_path / "status-rank-0.json"
-    _fifo_in_place_of(sidecar)
+    own = store.topology_path / "status-rank-0.json"
+    peer = store.topology_path / "status-rank-1.json"  # another rank's, on the same node
+    _fifo_in_place_of(own)
+    os.mkfifo(peer, 0o600)
     with caplog.at_level(logging.WARNING, logger="lm_resiliency"):
         reopened = _store(tmp_path)  # reads its own sidecar: unknown, logged, not fatal
-    assert f"status sidecar {sidecar} is unusable (not_a_file)" in caplog.text
+    assert f"status sidecar {own} is unusable (not_a_file)" in caplog.text
     assert "is a FIFO" in caplog.text
-    with pytest.raises(SidecarUnavailable) as info:
-        reopened.read_status(0)
-    assert info.value.reason == "not_a_file" and info.value.path == str(sidecar)
     assert reopened.steps(0) == [2]
+    with pytest.raises(SidecarUnavailable) as info:
+        reopened.read_status(1)
+    assert info.value.reason == "not_a_file" and info.value.path == str(peer)
     assert main(["inspect", str(tmp_path)]) == 1
-    assert f"problem: status sidecar {sidecar} is unusable (not_a_file)" in capsys.readouterr().out
-    reopened.mark_candidate(2)  # the next update replaces the FIFO with a real sidecar
-    assert sidecar.is_file()
+    assert f"problem: status sidecar {peer} is unusable (not_a_file)" in capsys.readouterr().out
+    reopened.mark_candidate(2)  # its own sidecar is a real file again after an update
+    assert own.is_file()
     reopened.close()
 
 
 @pytest.mark.parametrize("manifest", ["run.json", "topology.json"])
-def test_fifo_manifest_makes_find_latest_refuse_the_folder(tmp_path: Path, manifest: str) -> None:
+def test_fifo_manifest_makes_recovery_refuse_the_folder(tmp_path: Path, manifest: str) -> None:
+    topology = agree_job_fingerprint(topology_fingerprint([0], []))  # a 1-rank job's
+    store = _store(tmp_path, topology=topology)
+    _write(store, 2)
+    store.close()
+    path = store.topology_path / manifest
+    if manifest == "run.json":
+        path = store.topology_path.parent / manifest
+    _fifo_in_place_of(path)
     cfg = InMemoryCkptConfig(disk_folder=tmp_path, run_id="fifo-run", signal_flush=False)
-    manager = InMemoryCheckpointManager(cfg)
-    try:
-        store = _store(tmp_path, topology=manager.topology)
-        _write(store, 2)
-        store.close()
-        path = store.topology_path / manifest
-        if manifest == "run.json":
-            path = store.topology_path.parent / manifest
-        _fifo_in_place_of(path)
-        with pytest.raises(UnsafePathError) as info:
+    with pytest.raises(UnsafePathError) as info:  # at construction or at find_latest()
+        manager = InMemoryCheckpointManager(cfg)
+        try:
             manager.find_latest()
-        assert info.value.reason == "not_a_file" and info.value.path == str(path)
-        assert f"{path} is a FIFO" in str(info.value)
-    finally:
-        manager.close()
+        finally:
+            manager.close()
+    assert info.value.reason == "not_a_file" and info.value.path == str(path)
+    assert f"{path} is a FIFO" in str(info.value)
 
 
 def test_fifo_shard_is_unavailable_and_inspect_reports_it(

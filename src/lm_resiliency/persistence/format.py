@@ -33,6 +33,7 @@ from typing import Any
 import crc32c
 import torch
 
+from lm_resiliency._killpoints import kill_point
 from lm_resiliency.capture import Layout, populate
 from lm_resiliency.errors import StateEncodingError
 from lm_resiliency.persistence import document
@@ -40,7 +41,6 @@ from lm_resiliency.persistence._safefs import pread_exact, preadinto_exact, pwri
 from lm_resiliency.persistence.document import ShardDocument, ShardIdentity
 from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
 from lm_resiliency.persistence.trust import TrustStatus
-from lm_resiliency.testing import kill_point
 
 METADATA_KEY = "lm_resiliency"
 #: The largest header safetensors itself accepts; ours is bounded the same.
@@ -170,6 +170,7 @@ def write_shard(
     trust: TrustStatus,
     integrity: bool,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    timeline: str | None = None,
 ) -> int:
     """Write a complete shard to ``fd`` from offset 0; return its size in bytes.
 
@@ -183,6 +184,7 @@ def write_shard(
         layout=layout,
         state=state_document,
         chunk_bytes=chunk_bytes if integrity else None,
+        timeline=timeline,
     )
     header = encode_header(layout, doc)
     write_all(fd, memoryview(header))

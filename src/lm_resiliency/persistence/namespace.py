@@ -62,6 +62,14 @@ def shard_file(owner_rank: int) -> str:
     return f"rank-{owner_rank}.safetensors"
 
 
+TRUST_MARKER_KIND = "lm_resiliency.trust"
+
+
+def trust_marker_file(owner_rank: int) -> str:
+    """File name of the trust marker of ``owner_rank``'s shard inside a step directory."""
+    return f"trust-rank-{owner_rank}.json"
+
+
 def sidecar_file(rank: int) -> str:
     """File name of ``rank``'s status sidecar inside the topology directory."""
     return f"status-rank-{rank}.json"
