@@ -7,10 +7,12 @@ What it runs, on CPU with Gloo (about half a minute on 2 cores with the defaults
    replicates each capture to a peer rank and flushes to ``--disk-folder``
    every ``--flush-interval`` steps;
 2. after ``--fault-step`` rank ``--fault-rank`` is SIGKILLed (first attempt only);
-   the agent notices, SIGTERMs the survivors (GEMINI's signal handler persists
-   their newest own and peer slots) and restarts the worker group
-   (``--max-restarts 1``);
-3. the new workers call ``find_latest()`` and ``load()``, restore model,
+   the survivors' next collective fails and they exit on that error, as any
+   training script does; torchrun restarts the worker group
+   (``--max-restarts 1``). Every rank's memory slots are files on /dev/shm, so
+   they outlive the processes;
+3. the new workers re-attach to those slots, call ``find_latest()`` and
+   ``load()`` (every rank restores from its own memory), restore model,
    optimizer, RNG and data position, prime DDP's buckets and finish;
 4. a second, fault-free torchrun job of the same seed, steps and world size
    runs, and the final parameters and optimizer state of both are compared
@@ -211,7 +213,8 @@ def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
     print(
         f"lm-resiliency demo: {n} workers under torchrun (Gloo, CPU), tiny GPT on synthetic "
         f"text, {spec.steps} steps\n"
-        f"  GEMINI: capture every {spec.interval} steps, replicate to a peer rank, persist to "
+        f"  GEMINI: capture every {spec.interval} steps into memory slots on /dev/shm (they "
+        "outlive the worker), replicate to a peer rank, persist to "
         f"{disk} "
         + (f"every {spec.flush_interval} steps" if spec.flush_interval else "on SIGTERM only")
         + "\n"
@@ -326,13 +329,15 @@ def _report(summary: Any) -> None:
         print("no recovery happened (did the fault fire?)")
         return
     print(f"failure: rank {rec.fault_rank} SIGKILLed after step {rec.fault_step}")
+    exited = sorted(summary.peer_lost)
+    if exited:
+        print(f"  ranks {exited}: their next collective failed; they exited on the error")
     for rank in summary.sigterm_ranks:
         flushed = _flushed(rank, summary.flushed_on_sigterm.get(rank, {}))
         print(f"  rank {rank}: SIGTERM -> GEMINI's signal flush wrote {flushed}")
     print(f"recovery: all ranks agreed on step {rec.step} (the newest step every rank can load)")
     for rank, source in sorted(rec.sources.items()):
-        via = _written_by(rank, rec.step, summary.flushed_on_sigterm) if "disk" in source else ""
-        print(f"  rank {rank}: {source}{via}")
+        print(f"  rank {rank}: {source}{_how(rank, source, rec.step, summary)}")
     if rec.walked_back_from:
         print(f"  walked back past unusable steps {rec.walked_back_from}")
     print(
@@ -345,9 +350,19 @@ def _report(summary: Any) -> None:
             print(f"  {name:<10} {rec.phases_s[name]:7.3f} s  {what}")
 
 
+def _how(rank: int, source: str, step: int, summary: Any) -> str:
+    if source == "own memory":
+        return " (its memory slot, re-attached by the restarted worker)"
+    if source == "peer memory":
+        return " (the replica its peer holds in memory, sent over the network)"
+    if "disk" in source:
+        return _written_by(rank, step, summary.flushed_on_sigterm)
+    return ""
+
+
 _PHASES = {
-    "detection": "kill -> torchrun's SIGTERM to the survivors",
-    "restart": "SIGTERM -> new workers spawned (survivors flush and exit, re-rendezvous)",
+    "detection": "kill -> a survivor noticed (its collective failed, or SIGTERM)",
+    "restart": "-> new workers spawned (survivors exit, re-rendezvous)",
     "startup": "new workers: interpreter, imports, process group, GEMINI manager",
     "agreement": "find_latest(): every rank's sources gathered, newest common step",
     "load": "load() + restoring model, optimizer, RNG, data position + priming DDP",

@@ -88,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ["RANK"])
     events = EventLog(args.run_dir, rank=rank, attempt=restart_count())
     events.emit("started", t=process_start_time())
+    _record_exit_errors(events)
     init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout_s))
     events.emit("group_formed", world_size=dist.get_world_size())
     trainer = Trainer(args.seed, rank=rank, world_size=dist.get_world_size())
@@ -205,6 +206,17 @@ def _hold(
     while not (args.run_dir / HOLD_MARKER).exists():
         dist.all_reduce(torch.ones(1))  # raises once a peer is gone
         time.sleep(_HEARTBEAT_S)
+
+
+def _record_exit_errors(events: EventLog) -> None:
+    """Record the error a survivor exits on (observability only: nothing is caught)."""
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        events.emit("peer_lost", error=f"{exc_type.__name__}: {str(exc)[:400]}")
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
 
 
 def _on_sigterm(action: Any) -> None:

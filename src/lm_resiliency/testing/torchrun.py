@@ -198,6 +198,12 @@ class TorchrunJob:
         self._proc.wait()
         _LIVE.discard(self)
 
+    def crash(self) -> None:
+        """SIGKILL the agent and every worker at once, as a lost machine or an OOM kill of the
+        whole job would (no grace, no handler runs)."""
+        _signal_all([self._proc.pid, *_descendants(self._proc.pid)], signal.SIGKILL)
+        self._proc.wait()
+
     def _collect(self, timed_out: bool) -> CompletedRun:
         logs: list[WorkerLog] = []
         attempts = 0
