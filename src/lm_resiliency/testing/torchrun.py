@@ -203,6 +203,7 @@ class TorchrunJob:
         whole job would (no grace, no handler runs)."""
         _signal_all([self._proc.pid, *_descendants(self._proc.pid)], signal.SIGKILL)
         self._proc.wait()
+        _LIVE.discard(self)
 
     def _collect(self, timed_out: bool) -> CompletedRun:
         logs: list[WorkerLog] = []
