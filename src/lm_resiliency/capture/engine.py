@@ -149,12 +149,13 @@ class CaptureEngine:
         """Launch the capture of ``state`` at ``step``; returns without waiting for bytes.
 
         Waits for the previous cycle (copy and replication) first. Raises
-        ``StateEncodingError`` for unsupported values and ``CaptureError`` for a
-        failure of an earlier background cycle.
+        ``StateEncodingError`` for unsupported values (also a tensor dtype the
+        node-local shard format cannot store, checked when the layout changes)
+        and ``CaptureError`` for a failure of an earlier background cycle.
         """
         t0 = time.perf_counter()
         self._finish_previous()
-        self._launch(encode_state(state), step, t0)
+        self._launch(encode_state(state), step, t0, persisted=True)
 
     def capture_tensors(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int
@@ -168,8 +169,8 @@ class CaptureEngine:
         self._finish_previous()
         self._launch(EncodedState(document={}, tensors=list(tensors), names=list(names)), step, t0)
 
-    def _launch(self, encoded: EncodedState, step: int, t0: float) -> None:
-        layout = self._layout_for(encoded)
+    def _launch(self, encoded: EncodedState, step: int, t0: float, persisted: bool = False) -> None:
+        layout = self._layout_for(encoded, persisted)
         slot = self._rotate()
         # Device tensors: remember where the compute stream is now; the worker's side
         # stream waits for this event before copying. The cycle keeps a reference to
@@ -258,10 +259,17 @@ class CaptureEngine:
             self._pending_error = None
             raise err
 
-    def _layout_for(self, encoded: EncodedState) -> Layout:
+    def _layout_for(self, encoded: EncodedState, persisted: bool) -> Layout:
         key = (Layout.signature(encoded.tensors), tuple(encoded.names))
         if self._layout is None or key != self._layout_key:
             new = Layout.from_tensors(encoded.tensors, encoded.names)
+            if persisted:
+                # A state tree may be written to a shard: refuse dtypes the format cannot
+                # store here, on the caller's thread, not at every later flush. Only when
+                # the layout is rebuilt; imported late because persistence imports capture.
+                from lm_resiliency.persistence.format import check_storable
+
+                check_storable(new)
             if self._layout is not None:
                 self.stats.relayouts += 1
                 log.info(

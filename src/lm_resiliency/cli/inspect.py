@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
-from lm_resiliency.persistence.catalog import RunInfo, ShardInfo, scan, to_json
+from lm_resiliency.errors import UnsafePathError
+from lm_resiliency.persistence.catalog import RunInfo, ShardInfo, problems, scan, to_json
 
 
 def register(subparsers: Any) -> None:
@@ -19,7 +21,15 @@ def register(subparsers: Any) -> None:
             "List every run, topology, generation (step) and rank shard under DIR with its size "
             "and trust status, plus each rank's status sidecar. Headers are always validated "
             "(format, identity, tensor table, size); --verify also reads every shard and checks "
-            "its CRC-32C values. Read-only. Exit code 1 when any shard is unavailable."
+            "its CRC-32C values. Entries owned by another user, writable by group or others, "
+            "or of the wrong kind (a symlink, a FIFO) are problems. Read-only; run it as the "
+            "job's user."
+        ),
+        epilog=(
+            "exit status: 0 every shard usable (with --verify: and every CRC checked); "
+            "1 a shard is unavailable or an entry is unsafe; 2 DIR cannot be read or is itself "
+            "unsafe; 3 (--verify only) everything usable, but some shards were written without "
+            "checksums, so their data was NOT verified (write with verify_integrity=True)"
         ),
     )
     parser.add_argument("dir", metavar="DIR", help="the disk_folder of the checkpoint config")
@@ -28,29 +38,48 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _problems(runs: list[RunInfo]) -> list[ShardInfo]:
+#: ``--verify`` found nothing wrong but could not check the data of some shards.
+EXIT_UNVERIFIED = 3
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the catalog and return the exit status (see the parser's epilog)."""
+    try:
+        runs = scan(args.dir, verify=args.verify)
+    except (OSError, UnsafePathError) as exc:
+        print(f"lm-resiliency inspect: error: cannot read {args.dir}: {exc}", file=sys.stderr)
+        return 2
+    unverified = _unverified(runs) if args.verify else []
+    code = 1 if problems(runs) else (EXIT_UNVERIFIED if unverified else 0)
+    try:
+        if args.json:
+            doc = {"dir": args.dir, "verify": args.verify, "runs": to_json(runs)}
+            print(json.dumps(doc, indent=1))
+        else:
+            _print_table(args.dir, runs, verify=args.verify)
+            if unverified:
+                print(
+                    f"NOT verified: {len(unverified)} shard(s) have no checksums, so --verify "
+                    "could not check their data (they were written with verify_integrity=False)"
+                )
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (``inspect ... | head``): stop quietly, like other tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return code
+
+
+def _unverified(runs: list[RunInfo]) -> list[ShardInfo]:
     return [
         shard
         for run in runs
         for topo in run.topologies
         for gen in topo.generations
         for shard in gen.shards
-        if shard.problem is not None
+        if shard.problem is None and not shard.checksums
     ]
-
-
-def run(args: argparse.Namespace) -> int:
-    """Print the catalog; 0 when every shard is usable, 1 otherwise, 2 when DIR is unreadable."""
-    try:
-        runs = scan(args.dir, verify=args.verify)
-    except OSError as exc:
-        print(f"lm-resiliency inspect: error: cannot read {args.dir}: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({"dir": args.dir, "verify": args.verify, "runs": to_json(runs)}, indent=1))
-    else:
-        _print_table(args.dir, runs, verify=args.verify)
-    return 1 if _problems(runs) else 0
 
 
 def _size(nbytes: int) -> str:
@@ -66,7 +95,7 @@ def _shard_state(shard: ShardInfo, verify: bool) -> str:
     if shard.problem is not None:
         return f"UNAVAILABLE ({shard.problem})"
     if not shard.checksums:
-        return "ok, no checksums"
+        return "ok, NOT verified (no checksums)" if verify else "ok, no checksums"
     return "ok, CRC verified" if verify else "ok"
 
 
@@ -89,5 +118,5 @@ def _print_table(folder: str, runs: list[RunInfo], *, verify: bool) -> None:
                 print(f"    status rank {rank}: {json.dumps(status)}")
             for stray in topo.stray:
                 print(f"    other entry: {stray}")
-    for shard in _problems(runs):
-        print(f"problem: {shard.detail}")
+    for line in problems(runs):
+        print(f"problem: {line}")

@@ -96,6 +96,24 @@ def _safetensors_dtype(dtype: torch.dtype, name: str) -> str:
         ) from None
 
 
+def check_storable(layout: Layout) -> None:
+    """Raise ``StateEncodingError`` if a shard cannot store one of ``layout``'s dtypes.
+
+    Names the first such tensor (in state order) by its key path and lists the
+    dtypes that work. Called by the capture engine whenever a ``save()``'s
+    layout is (re)built, so ``save()`` fails on the caller's thread instead of
+    every later flush.
+    """
+    for spec in sorted(layout.specs, key=lambda s: s.index):
+        if spec.dtype not in SAFETENSORS_DTYPES:
+            supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in SAFETENSORS_DTYPES))
+            raise StateEncodingError(
+                f"cannot encode state at {spec.name!r}: a tensor of dtype {spec.dtype} cannot be "
+                "stored in a node-local shard (safetensors has no such dtype); convert it to "
+                f"one of: {supported} (e.g. complex128 -> torch.view_as_real(t), a float64 pair)"
+            )
+
+
 def tensor_table(layout: Layout) -> dict[str, dict[str, Any]]:
     """The safetensors entries for ``layout``, in arena order."""
     table: dict[str, dict[str, Any]] = {}

@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import os
-import stat
 import threading
 import weakref
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from lm_resiliency.errors import ConfigError, ShardUnavailable, SidecarUnavailab
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence._safefs import (
     entry_kind,
+    judge,
     open_file_nofollow,
     open_subdir,
     opened_dir,
@@ -121,9 +121,15 @@ def open_shard(
     return fd, header
 
 
+_UNSAFE_REASONS = {
+    "symlink": _R.SYMLINK,
+    "foreign_owner": _R.FOREIGN_OWNER,
+    "writable_by_others": _R.WRITABLE_BY_OTHERS,
+}
+
+
 def _refused(path: Path, exc: UnsafePathError) -> ShardUnavailable:
-    reason = _R.SYMLINK if "symlink" in str(exc) else _R.NOT_A_FILE
-    return unavailable(reason, path, str(exc))
+    return unavailable(_UNSAFE_REASONS.get(exc.reason, _R.NOT_A_FILE), path, str(exc))
 
 
 class ShardStore:
@@ -177,6 +183,7 @@ class ShardStore:
         self._lock = threading.Lock()
         self._spares = SparePool() if recycle_files else None
         self._trust_cache: dict[tuple[int, int], TrustStatus] = {}
+        self._reported: set[tuple[int, int, str]] = set()  # (step, owner, why) warned
         self._timeline_cache: dict[tuple[int, int], str | None] = {}
         self.lineage = Lineage()
         self.timeline: str | None = None
@@ -290,10 +297,10 @@ class ShardStore:
         spare = self._spares.take(want_bytes) if self._spares is not None else None
         if spare is not None:
             try:
-                publish(step_fd, name, write, recycle=Recycled(topo_fd, spare))
+                publish(step_fd, name, write, recycle=Recycled(topo_fd, spare.name, spare.identity))
                 return
             except FileNotFoundError:
-                log.debug("spare %s vanished; writing a new file", spare)
+                log.debug("spare %s vanished; writing a new file", spare.name)
         publish(step_fd, name, write)
 
     # -- retention ---------------------------------------------------------------
@@ -364,8 +371,9 @@ class ShardStore:
         except (FileNotFoundError, UnsafePathError):
             return
         try:
+            where = str(self.path_for(owner_rank, step))
             if entry_kind(step_fd, name) == "file" and not (
-                self._spares is not None and self._spares.park(step_fd, name, topo_fd)
+                self._spares is not None and self._spares.park(step_fd, name, topo_fd, where=where)
             ):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=step_fd)
@@ -461,12 +469,19 @@ class ShardStore:
         """Steps with a published shard of ``owner_rank`` in this run and topology, ascending.
 
         Listing only: a listed step may still fail :meth:`read`'s validation.
-        Symlinked step directories and shards are never listed.
+        Nothing unsafe is listed (a symlink, a FIFO, an entry of another user or
+        writable by others); an unsafe run or topology folder lists nothing and
+        is logged once as a warning naming it.
         """
         try:
             with opened_dir(self.root, self._parts, create=False) as topo_fd:
                 return self._steps_in(topo_fd, owner_rank)
-        except (FileNotFoundError, UnsafePathError):
+        except FileNotFoundError:
+            return []
+        except UnsafePathError as exc:
+            if (-1, owner_rank, exc.path) not in self._reported:
+                self._reported.add((-1, owner_rank, exc.path))
+                log.warning("rank %d: no step of this folder is used: %s", self.rank, exc)
             return []
 
     def _steps_in(self, topo_fd: int, owner_rank: int) -> list[int]:
@@ -475,14 +490,23 @@ class ShardStore:
             step = ns.parse_step_dir(name)
             if step is None or entry_kind(topo_fd, name) != "dir":
                 continue
+            shard_name = f"{name}/{ns.shard_file(owner_rank)}"
             try:
-                shard = os.stat(
-                    f"{name}/{ns.shard_file(owner_rank)}", dir_fd=topo_fd, follow_symlinks=False
-                )
+                step_st = os.stat(name, dir_fd=topo_fd, follow_symlinks=False)
+                shard = os.stat(shard_name, dir_fd=topo_fd, follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISREG(shard.st_mode):  # a regular file, not a link
+            # Only a regular file of ours in a directory of ours counts: a link, a FIFO or
+            # an entry another user planted is never offered to recovery.
+            where = str(self.topology_path / shard_name)
+            problem = judge(step_st, str(self.topology_path / name), expect="dir") or judge(
+                shard, where, expect="file"
+            )
+            if problem is None:
                 found.append(step)
+            elif (step, owner_rank, problem.reason) not in self._reported:
+                self._reported.add((step, owner_rank, problem.reason))  # once, not per write
+                log.warning("rank %d: step %d is not used: %s", self.rank, step, problem)
         return sorted(found)
 
     # -- status sidecar ------------------------------------------------------------
