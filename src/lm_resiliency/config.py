@@ -44,9 +44,11 @@ class InMemoryCkptConfig:
     """Bytes per replication send (see ``estimate_chunk_size``)."""
 
     disk_flush_interval: int = 100
-    """Persist the first capture, then each capture at least this many steps after the
-    previously persisted one (a multiple of ``interval`` is sensible); ``0`` disables periodic
-    flushes (the signal flush, ``flush_newest()`` and ``flush_on_close`` still write)."""
+    """Persist the captures that reach a multiple of this many steps: with ``interval=5`` and
+    ``disk_flush_interval=10`` steps 10, 20, 30, ... (generally the first capture at or after
+    each multiple). A persisted step is visible to recovery once its file is published, a few
+    hundred ms per GiB after the capture, in the background. ``0`` disables periodic flushes
+    (the signal and exit flush, ``flush_newest()`` and ``flush_on_close`` still write)."""
 
     disk_folder: str | Path = "./checkpoints"
     """Node-local checkpoint directory."""
