@@ -281,10 +281,18 @@ def test_a_second_live_process_for_the_same_rank_is_refused(
 
 
 @pytest.mark.skipif(not ROOT, reason="chown to another user needs root")
-def test_a_memory_folder_of_another_user_is_refused(_isolated_memory_folder: Path) -> None:
-    _isolated_memory_folder.mkdir(mode=0o700, parents=True)
-    os.chown(_isolated_memory_folder, 65534, 65534)
-    with pytest.raises(UnsafePathError, match="owned by uid 65534"):
+def test_a_run_folder_planted_by_another_user_is_refused(_isolated_memory_folder: Path) -> None:
+    _crash_after((10,))
+    (run,) = _isolated_memory_folder.glob("run-*")
+    os.chown(run, 65534, 65534)  # someone else's directory now sits where ours was
+    with pytest.raises(UnsafePathError, match="owned by nobody"):
+        InMemoryCheckpointManager(_cfg())
+
+
+def test_a_memory_folder_others_can_write_is_refused(_isolated_memory_folder: Path) -> None:
+    _isolated_memory_folder.mkdir(parents=True)
+    _isolated_memory_folder.chmod(0o777)  # no sticky bit: anyone could swap our folders
+    with pytest.raises(UnsafePathError, match="writable"):
         InMemoryCheckpointManager(_cfg())
 
 

@@ -24,7 +24,6 @@ import fcntl
 import logging
 import os
 import shutil
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from lm_resiliency.memory.slotfile import (
     check_descriptor,
 )
 from lm_resiliency.persistence import namespace as ns
-from lm_resiliency.persistence._safefs import open_subdir
+from lm_resiliency.persistence._safefs import check_dir_fd, open_subdir
 from lm_resiliency.persistence.lineage import Lineage, read_lineage, write_lineage
 
 log = logging.getLogger(__name__)
@@ -70,17 +69,6 @@ class Attached:
     record: SlotRecord
 
 
-def check_dir(fd: int, where: str) -> None:
-    """Refuse a directory that is not ours or that others may write."""
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise UnsafePathError(
-            f"{where} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}; "
-            f"memory slots live only in directories of this user (uid {os.geteuid()}) that "
-            "nobody else can write. Remove it, or set memory_folder= to a directory of yours"
-        )
-
-
 def open_root(root: Path) -> int:
     """Create (0700) and open the memory folder itself, refusing one that is not ours."""
     try:
@@ -93,7 +81,7 @@ def open_root(root: Path) -> int:
         ) from None
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        check_dir(fd, str(root))
+        check_dir_fd(fd, str(root), root=True)
     except BaseException:
         os.close(fd)
         raise
@@ -121,8 +109,8 @@ class MemoryFolder:
             where = self.root
             for part in self._parts:
                 where = where / part
+                # open_subdir refuses a link, a foreign owner and a group/other-writable dir
                 fds.append(open_subdir(fds[-1], part, create=True, where=str(where)))
-                check_dir(fds[-1], str(where))
             self.dir_fd = os.dup(fds[-1])
             self._run_fd = os.dup(fds[1])
         finally:
