@@ -58,3 +58,17 @@ def test_clean_can_also_remove_a_runs_files(tmp_path: Path, _isolated_memory_fol
     assert main(["clean", "--run", "gone", *args]) == 0
     assert not (disk / ns.run_dir("gone")).exists()
     assert scan_memory(_isolated_memory_folder) == []
+
+
+def test_inspect_lists_memory_slots_next_to_files(
+    tmp_path: Path, _isolated_memory_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _crashed_run("shown", tmp_path)
+    code = main(
+        ["inspect", str(tmp_path / "disk"), "--memory-folder", str(_isolated_memory_folder)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "memory run" in out and "run_id='shown'" in out
+    assert "own-0.slot    COMMITTED         10      0" in out
+    assert "rank 0: no live process" in out

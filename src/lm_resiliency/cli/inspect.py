@@ -8,7 +8,10 @@ import os
 import sys
 from typing import Any
 
+from lm_resiliency.config import default_memory_folder
 from lm_resiliency.errors import UnsafePathError
+from lm_resiliency.memory.catalog import MemoryRun, scan_memory
+from lm_resiliency.memory.catalog import to_json as memory_json
 from lm_resiliency.persistence.catalog import RunInfo, ShardInfo, problems, scan, to_json
 
 
@@ -35,6 +38,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("dir", metavar="DIR", help="the disk_folder of the checkpoint config")
     parser.add_argument("--verify", action="store_true", help="read all data and check every CRC")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead")
+    parser.add_argument(
+        "--memory-folder",
+        default=default_memory_folder(),
+        help="also list the memory slots in this memory_folder (default: %(default)s)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -49,14 +57,23 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, UnsafePathError) as exc:
         print(f"lm-resiliency inspect: error: cannot read {args.dir}: {exc}", file=sys.stderr)
         return 2
+    memory = scan_memory(args.memory_folder)
     unverified = _unverified(runs) if args.verify else []
-    code = 1 if problems(runs) else (EXIT_UNVERIFIED if unverified else 0)
+    bad_slots = [s for r in memory for rank in r.ranks for s in rank.slots if s.problem]
+    code = 1 if problems(runs) or bad_slots else (EXIT_UNVERIFIED if unverified else 0)
     try:
         if args.json:
-            doc = {"dir": args.dir, "verify": args.verify, "runs": to_json(runs)}
+            doc = {
+                "dir": args.dir,
+                "verify": args.verify,
+                "runs": to_json(runs),
+                "memory_folder": args.memory_folder,
+                "memory": memory_json(memory),
+            }
             print(json.dumps(doc, indent=1))
         else:
             _print_table(args.dir, runs, verify=args.verify)
+            _print_memory(args.memory_folder, memory)
             if unverified:
                 print(
                     f"NOT verified: {len(unverified)} shard(s) have no checksums, so --verify "
@@ -120,3 +137,23 @@ def _print_table(folder: str, runs: list[RunInfo], *, verify: bool) -> None:
                 print(f"    other entry: {stray}")
     for line in problems(runs):
         print(f"problem: {line}")
+
+
+def _print_memory(folder: str, runs: list[MemoryRun]) -> None:
+    if not runs:
+        print(f"{folder}: no memory slots")
+        return
+    for run in runs:
+        print(f"memory run {run.name}  run_id={run.run_id!r}  in {folder}")
+        print(f"    {'rank':>5}  {'slot':<12}  {'state':<10}  {'step':>8}  {'owner':>5}  size")
+        for rank in run.ranks:
+            live = "held by a live process" if rank.live else "no live process"
+            for slot in rank.slots:
+                state = f"PROBLEM: {slot.problem}" if slot.problem else slot.state
+                step = "-" if slot.step is None else str(slot.step)
+                owner = "-" if slot.owner_rank is None else str(slot.owner_rank)
+                print(
+                    f"    {rank.rank:>5}  {slot.name:<12}  {state:<10}  {step:>8}  {owner:>5}"
+                    f"  {_size(slot.size_bytes)}"
+                )
+            print(f"    rank {rank.rank}: {live}")
