@@ -266,7 +266,7 @@ class InMemoryCheckpointManager:
         """Re-attach to the committed slots an earlier process of this rank left on this node."""
         if self.tier is None:
             return
-        attached, problems = self.tier.attach()
+        attached, problems = self.tier.attach(pin=self.config.pin_memory)
         for line in problems:
             log.warning("rank %d: ignoring %s", self.rank, line)
         own: list[Adopted] = []

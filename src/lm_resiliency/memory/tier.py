@@ -135,11 +135,17 @@ class MemoryTier:
             names |= {s: self.identity(s, self.peer_owner) for s in HELD_SLOTS}
         return names
 
-    def attach(self) -> tuple[list[tuple[Attached, ArenaHandle]], list[str]]:
-        """Committed slots an earlier process left here, each with a handle to adopt."""
+    def attach(self, *, pin: bool = False) -> tuple[list[tuple[Attached, ArenaHandle]], list[str]]:
+        """Committed slots an earlier process left here, each with a handle to adopt.
+
+        ``pin`` (CUDA and ``pin_memory``): register each re-attached arena for
+        asynchronous device copies, as a freshly allocated one would be.
+        """
         found, problems = self.folder.attach(self.expected())
         out: list[tuple[Attached, ArenaHandle]] = []
         for a in found:
+            if pin:
+                a.file.pin()
             handle = _SharedArena(self, a.file, a.slot_name)
             handle.record = a.record
             self._generation = max(self._generation, a.record.generation)
