@@ -72,3 +72,26 @@ def test_a_broken_control_plane_fails_closed_afterwards(tmp_path) -> None:
     first, second = out[0]["errors"]
     assert "find_latest: gather availability" in first
     assert "failed earlier" in second and "restart the job" in second
+
+
+def _one_bad_folder(rank: int, world: int, tmp: str) -> dict:
+    t0 = time.monotonic()
+    try:
+        InMemoryCheckpointManager(
+            InMemoryCkptConfig(run_id="bad", disk_folder=tmp, signal_flush=False)
+        )
+    except Exception as exc:
+        return {"type": type(exc).__name__, "error": str(exc), "after_s": time.monotonic() - t0}
+    return {"type": None}
+
+
+def test_a_folder_refused_on_one_rank_fails_every_rank_at_once(tmp_path) -> None:
+    bad = tmp_path / "bad-shm"
+    bad.mkdir(mode=0o777)
+    bad.chmod(0o777)  # others may write: refused
+    env = {1: {"LM_RESILIENCY_MEMORY_FOLDER": str(bad)}}
+    out = run_distributed(_one_bad_folder, 2, args=(str(tmp_path),), rank_env=env, timeout_s=60)
+    assert out[1]["type"] == "UnsafePathError" and "writable" in out[1]["error"]
+    assert out[0]["type"] == "ResiliencyError"
+    assert "cannot open the memory folders on rank(s) [1]" in out[0]["error"]
+    assert out[0]["after_s"] < 10  # not a timeout: the refusal was agreed at once

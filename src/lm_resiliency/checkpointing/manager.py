@@ -38,7 +38,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -69,6 +69,7 @@ from lm_resiliency.recovery.sources import DiskShards, MemorySlots, NoSource, St
 from lm_resiliency.replication import PairingPlan, ReplicationChannel, resolve_jump
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 __all__ = ["InMemoryCheckpointManager", "RecoveryReport"]
 
@@ -120,7 +121,9 @@ class InMemoryCheckpointManager:
         group_fp = topology_fingerprint(list(range(self.world_size)), pairs)
         with self.control.op("agree the topology"):
             self.topology = agree_job_fingerprint(group_fp, group=self.control.group)
-        self.tier = self._memory_tier() if cfg.enable else None
+        self.tier = self._agreed(
+            "open the memory folders", lambda: self._memory_tier() if cfg.enable else None
+        )
         backing: ArenaBacking = self.tier if self.tier is not None else ANONYMOUS
         channel = None
         if self.plan is not None and self.plan.has_peer and cfg.enable:
@@ -153,9 +156,9 @@ class InMemoryCheckpointManager:
             backing=backing,
             plan_arenas=self.tier.plan if self.tier is not None else None,
         )
-        self._attach()
+        local = self._agreed("attach memory slots and open node-local folders", self._open_local)
         self.history = History.agree(
-            self._local_lineages(), control=self.control, run_id=self.run_id, resume=cfg.resume
+            local, control=self.control, run_id=self.run_id, resume=cfg.resume
         )
         if self.tier is not None:
             tier = self.tier
@@ -261,6 +264,32 @@ class InMemoryCheckpointManager:
             required=self.config.memory_required,
             slots=2 if peer_owner is None else 4,
         )
+
+    def _agreed(self, what: str, fn: Callable[[], _T]) -> _T:
+        """Run a local setup step on every rank; if it fails on any rank, raise on every rank.
+
+        A folder refused on one rank (another user's, a link, a damaged manifest)
+        must not leave the other ranks waiting in the next collective.
+        """
+        error = ""
+        result = None
+        mine: BaseException | None = None
+        try:
+            result = fn()
+        except (ResiliencyError, OSError) as exc:
+            error, mine = f"{type(exc).__name__}: {exc}", exc
+        errors = self.control.all_gather_bytes(error.encode(), name=what)
+        failed = {r: e.decode() for r, e in enumerate(errors) if e}
+        if mine is not None:
+            raise mine  # this rank's own error, with its type; the others name this rank
+        if failed:
+            lines = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+            raise ResiliencyError(f"cannot {what} on rank(s) {sorted(failed)}: {lines}")
+        return result  # type: ignore[return-value]
+
+    def _open_local(self) -> list[Lineage | None]:
+        self._attach()
+        return self._local_lineages()
 
     def _attach(self) -> None:
         """Re-attach to the committed slots an earlier process of this rank left on this node."""
