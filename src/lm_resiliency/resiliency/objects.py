@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.state import encode_state
 
@@ -108,7 +110,9 @@ def _after_successful_update(state: dict[str, Any]) -> dict[str, Any]:
     out = dict(state)
     tracker = int(out["_growth_tracker"]) + 1
     if tracker == int(out["growth_interval"]):
-        out["scale"] = float(out["scale"]) * float(out["growth_factor"])
+        # The scaler's scale is a float32 tensor: the product is rounded to float32.
+        grown = torch.tensor(float(out["scale"]) * float(out["growth_factor"]), dtype=torch.float32)
+        out["scale"] = float(grown)
         tracker = 0
     out["_growth_tracker"] = tracker
     return out
