@@ -10,11 +10,13 @@ A restore onto another world size fails with a ConfigError naming it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -99,10 +101,38 @@ def _job(kind: str, rank: int, world: int, folder: str, stop: int) -> dict[str, 
 
 def _generation(rank: int, world: int, folder: str, stop: int) -> dict[str, Any]:
     kinds = ["fsdp2", "hsdp"] if world == 4 else ["fsdp2"]
-    out = {kind: _job(kind, rank, world, folder, stop) for kind in kinds}
+    return {kind: _job(kind, rank, world, folder, stop) for kind in kinds}
+
+
+def _first_generation(rank: int, world: int, folder: str, ref: str) -> dict[str, Any]:
+    """The uninterrupted reference job, then the job whose rank 1 dies after step 7."""
+    out = {"reference": _generation(rank, world, ref, _STEPS)}
+    # The victim's reference result must outlive it: its final tensors go to a file.
+    finals = {
+        f"{kind}/{name}": torch.frombuffer(bytearray(bits), dtype=torch.uint8)
+        for kind, job in out["reference"].items()
+        for name, bits in job["final"].items()
+    }
+    Path(ref).mkdir(parents=True, exist_ok=True)
+    save_file(finals, f"{ref}/final-rank{rank}.safetensors")
+    out["crashed"] = _generation(rank, world, folder, _CRASH_AFTER)
     dist.barrier()
-    if stop < _STEPS:
-        kill_point("crash")  # rank 1 dies here: SIGKILL, no cleanup
+    kill_point("crash")  # rank 1 dies here: SIGKILL, no cleanup
+    return out
+
+
+def _reference_final(ref: str, rank: int, kind: str) -> dict[str, bytes]:
+    finals = load_file(f"{ref}/final-rank{rank}.safetensors")
+    prefix = f"{kind}/"
+    return {
+        k[len(prefix) :]: v.numpy().tobytes() for k, v in finals.items() if k.startswith(prefix)
+    }
+
+
+def _second_generation(rank: int, world: int, folder: str, saved: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"resumed": _generation(rank, world, folder, _STEPS)}
+    if saved is not None:
+        out["elsewhere"] = _restore_elsewhere(rank, world, saved)
     return out
 
 
@@ -120,16 +150,22 @@ def _restore_elsewhere(rank: int, world: int, saved: Any) -> str:
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("fsdp")
     out: dict[int, dict[str, Any]] = {}
-    for world in (2, 4):
+    saved = None
+    for world in (4, 2):
         folder, ref = str(tmp / f"w{world}"), str(tmp / f"ref{world}")
         kw: dict[str, Any] = {"timeout_s": 180, "pg_timeout_s": 60}
+        first = run_distributed(
+            _first_generation, world, args=(folder, ref), kill={1: "crash"}, **kw
+        )
+        second = run_distributed(_second_generation, world, args=(folder, saved), **kw)
         out[world] = {
-            "crashed": run_distributed(
-                _generation, world, args=(folder, _CRASH_AFTER), kill={1: "crash"}, **kw
-            ),
-            "resumed": run_distributed(_generation, world, args=(folder, _STEPS), **kw),
-            "reference": run_distributed(_generation, world, args=(ref, _STEPS), **kw),
+            "crashed": [None if r is None else r["crashed"] for r in first],
+            "reference": [None if r is None else r["reference"] for r in first],
+            "resumed": [r["resumed"] for r in second],
+            "elsewhere": [r.get("elsewhere") for r in second],
+            "ref_dir": ref,
         }
+        saved = first[0]["crashed"]["fsdp2"]["adapter_state"]  # world 4's, for world 2
     return out
 
 
@@ -137,19 +173,19 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
 def test_a_crashed_sharded_job_resumes_bit_identical(
     jobs: dict[int, dict[str, Any]], world: int, kind: str
 ) -> None:
-    crashed, resumed, reference = (jobs[world][g] for g in ("crashed", "resumed", "reference"))
-    assert crashed[1] is None  # SIGKILLed
+    crashed, resumed = jobs[world]["crashed"], jobs[world]["resumed"]
+    assert crashed[1] is None  # SIGKILLed (after the reference job and 7 steps of this one)
     for rank in range(world):
         if crashed[rank] is not None:
             assert crashed[rank][kind]["start"] == 0
-        mine, ref = resumed[rank][kind], reference[rank][kind]
+        mine = resumed[rank][kind]
         assert (mine["framework"], mine["start"], mine["source"]) == (kind, 6, "gemini")
-        assert mine["final"] == ref["final"]
+        assert mine["final"] == _reference_final(jobs[world]["ref_dir"], rank, kind)
         assert len(mine["final"]) > 10  # local shards of parameters and AdamW state
 
 
 def test_hsdp_keeps_two_own_slots_and_no_peer_slots(jobs: dict[int, dict[str, Any]]) -> None:
-    for rank in range(4):
+    for rank in (0, 2, 3):
         assert jobs[4]["reference"][rank]["hsdp"]["slots"] == ["own_current", "own_previous"]
         assert jobs[4]["reference"][rank]["fsdp2"]["slots"] == [
             "own_current", "own_previous", "peer_current", "peer_previous",
@@ -159,8 +195,6 @@ def test_hsdp_keeps_two_own_slots_and_no_peer_slots(jobs: dict[int, dict[str, An
 def test_a_restore_onto_another_world_size_fails_naming_it(
     jobs: dict[int, dict[str, Any]],
 ) -> None:
-    saved = jobs[4]["crashed"][0]["fsdp2"]["adapter_state"]
-    messages = run_distributed(_restore_elsewhere, 2, args=(saved,), timeout_s=60)
-    for message in messages:
+    for message in jobs[2]["elsewhere"]:
         assert "captured with world_size=4 but this job has world_size=2" in message
         assert "durable checkpoint (load_fallback)" in message

@@ -18,7 +18,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lm_resiliency import ConfigError, InMemoryCkptConfig, enable_resiliency
-from lm_resiliency.errors import RankFailures
 from lm_resiliency.models import SyntheticTokens
 from lm_resiliency.testing import run_distributed
 
@@ -88,18 +87,24 @@ def _generation(rank: int, world: int, folder: str, run_id: str, stop: int) -> d
     return out
 
 
+def _first_generation(rank: int, world: int, crash_dir: str, ref_dir: str) -> dict[str, Any]:
+    """The uninterrupted reference run, then the run that crashes after step 7."""
+    return {
+        "reference": _generation(rank, world, ref_dir, "ref", _STEPS),
+        "crashed": _generation(rank, world, crash_dir, "crash", _CRASH_AFTER),
+    }
+
+
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("enable")
     crash_dir, ref_dir = str(tmp / "crash"), str(tmp / "ref")
-
-    def generation(folder: str, run_id: str, stop: int) -> list[dict[str, Any]]:
-        return run_distributed(_generation, 2, args=(folder, run_id, stop), timeout_s=120)
-
+    first = run_distributed(_first_generation, 2, args=(crash_dir, ref_dir), timeout_s=120)
+    second = run_distributed(_generation, 2, args=(crash_dir, "crash", _STEPS), timeout_s=120)
     return {
-        "crashed": generation(crash_dir, "crash", _CRASH_AFTER),
-        "resumed": generation(crash_dir, "crash", _STEPS),
-        "reference": generation(ref_dir, "ref", _STEPS),
+        "crashed": [r["crashed"] for r in first],
+        "resumed": second,
+        "reference": [r["reference"] for r in first],
     }
 
 
@@ -150,8 +155,32 @@ def _fallback_run(rank: int, world: int, steps: list[int | None]) -> dict[str, A
     return out
 
 
-def test_load_fallback_runs_on_every_rank_and_its_step_becomes_the_start_step() -> None:
-    out = run_distributed(_fallback_run, 2, args=([7, 7],), timeout_s=60)
+def _checks(rank: int, world: int) -> dict[str, Any]:
+    """The durable fallback (agreeing and disagreeing ranks) and the static-graph check."""
+    out: dict[str, Any] = {"agree": _fallback_run(rank, world, [7, 7])}
+    try:
+        _fallback_run(rank, world, [7, None])
+        out["disagree"] = "no error"
+    except ConfigError as exc:
+        out["disagree"] = str(exc)
+    ddp = DDP(nn.Linear(4, 4), static_graph=True)
+    try:
+        enable_resiliency(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+        out["static_graph"] = "no error"
+    except ConfigError as exc:
+        out["static_graph"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checks() -> list[dict[str, Any]]:
+    return run_distributed(_checks, 2, timeout_s=90)
+
+
+def test_load_fallback_runs_on_every_rank_and_its_step_becomes_the_start_step(
+    checks: list[dict[str, Any]],
+) -> None:
+    out = [c["agree"] for c in checks]
     assert [r["calls"] for r in out] == [[0], [1]]
     assert [r["start"] for r in out] == [7, 7]
     assert [r["step"] for r in out] == [7, 7]
@@ -160,30 +189,20 @@ def test_load_fallback_runs_on_every_rank_and_its_step_becomes_the_start_step() 
     assert [r["weight"] for r in out] == [1.0, 2.0]  # what each rank's fallback restored
 
 
-def test_fallback_steps_that_differ_between_ranks_fail_on_every_rank() -> None:
-    with pytest.raises(RankFailures) as info:
-        run_distributed(_fallback_run, 2, args=([7, None],), timeout_s=60)
-    assert info.value.ranks == [0, 1]
-    for failure in info.value.failures.values():
-        assert failure.exc_type == "ConfigError"
-        assert "load_fallback() returned different steps on different ranks" in failure.message
-        assert "{0: 7, 1: None}" in failure.message
+def test_fallback_steps_that_differ_between_ranks_fail_on_every_rank(
+    checks: list[dict[str, Any]],
+) -> None:
+    for c in checks:
+        assert "load_fallback() returned different steps on different ranks" in c["disagree"]
+        assert "{0: 7, 1: None}" in c["disagree"]
 
 
-def _static_graph(rank: int, world: int) -> str:
-    ddp = DDP(nn.Linear(4, 4), static_graph=True)
-    try:
-        enable_resiliency(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
-    except ConfigError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_a_static_graph_ddp_is_rejected_before_any_collective() -> None:
-    messages = run_distributed(_static_graph, 2, timeout_s=60)
-    for message in messages:
-        assert "DistributedDataParallel(static_graph=True) is not supported" in message
-        assert "construct DDP with static_graph=False" in message
+def test_a_static_graph_ddp_is_rejected_before_any_collective(
+    checks: list[dict[str, Any]],
+) -> None:
+    for c in checks:
+        assert "DistributedDataParallel(static_graph=True) is not supported" in c["static_graph"]
+        assert "construct DDP with static_graph=False" in c["static_graph"]
 
 
 def _ddp_replay(rank: int, world: int) -> dict[str, Any]:

@@ -79,10 +79,14 @@ def _train(rank: int, world: int, mode: str) -> dict[str, Any]:
     return {"state": _state(model, opt), "records": records, "collectives": txn.collectives}
 
 
+def _all_modes(rank: int, world: int) -> dict[str, Any]:
+    return {mode: _train(rank, world, mode) for mode in ("baseline", "mtgs", "faulty")}
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict[str, Any]]]:
-    return {m: run_distributed(_train, 2, args=(m,), timeout_s=120) for m in
-            ("baseline", "mtgs", "faulty")}  # fmt: skip
+    out = run_distributed(_all_modes, 2, timeout_s=180)
+    return {mode: [r[mode] for r in out] for mode in ("baseline", "mtgs", "faulty")}
 
 
 def _equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
