@@ -101,6 +101,7 @@ def _torch_adapter(
 ) -> Adapter:
     from torch.nn.parallel import DistributedDataParallel
 
+    _reject_fsdp1(model)
     if _is_fully_sharded(model):
         name = "lm_resiliency.integrations.fsdp"
     elif isinstance(model, DistributedDataParallel):
@@ -109,6 +110,19 @@ def _torch_adapter(
         name = "lm_resiliency.integrations.module"
     adapter: Adapter = importlib.import_module(name).make_adapter(model, optimizers, **options)
     return adapter
+
+
+def _reject_fsdp1(model: torch.nn.Module) -> None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch without FSDP
+        return
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ConfigError(
+            "FullyShardedDataParallel (FSDP1) is not supported by enable_resiliency: its "
+            "state_dict() gathers across ranks inside the capture; shard the model with "
+            "torch.distributed.fsdp.fully_shard (FSDP2) instead"
+        )
 
 
 def _is_fully_sharded(model: torch.nn.Module) -> bool:
