@@ -5,7 +5,8 @@
 rank 1's gradient turns NaN at step 7 (MTGS aborts the step on both ranks and
 retries it; nothing is captured of the aborted attempt) and rank 0 is
 SIGKILLed in the middle of step 23's backward pass (torchrun restarts the
-group, GEMINI recovers step 20). The job ends bit-identical to a fault-free one.
+group, GEMINI recovers step 20). The job ends bit-identical to a fault-free one
+(the same worker code on 2 ranks through ``run_distributed``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lm_resiliency.testing import run_distributed
 from lm_resiliency.testing.torchrun import run_torchrun
 
 pytestmark = pytest.mark.slow
@@ -26,29 +28,37 @@ _WORKER = str(Path(__file__).parent / "workers" / "mtgs_loop.py")
 _WORLD, _STEPS = 2, 30
 
 
-def _job(tmp: Path, name: str, faults: str) -> Path:
+def _args(tmp: Path, name: str) -> list[str]:
     out = tmp / name
     out.mkdir()
-    args = ["--out", str(out), "--steps", str(_STEPS), "--disk-folder", str(tmp / f"{name}-d")]
+    return ["--out", str(out), "--steps", str(_STEPS), "--disk-folder", str(tmp / f"{name}-d")]
+
+
+def _faulty_job(tmp: Path, faults: str) -> Path:
     run = run_torchrun(
-        [_WORKER, *args, *(["--faults", faults] if faults else [])],
+        [_WORKER, *_args(tmp, "faulty"), "--faults", faults],
         _WORLD,
-        max_restarts=1 if faults else 0,
-        env={"LM_RESILIENCY_RUN_ID": f"{name}-{uuid.uuid4().hex[:8]}"},
+        max_restarts=1,
+        env={"LM_RESILIENCY_RUN_ID": f"faulty-{uuid.uuid4().hex[:8]}"},
         timeout_s=300,
     )
     assert run.returncode == 0, run.describe()
-    assert run.attempts == (2 if faults else 1), run.describe()
-    return out
+    assert run.attempts == 2, run.describe()
+    return tmp / "faulty"
+
+
+def _reference_rank(rank: int, world: int, args: list[str]) -> None:
+    from workers import mtgs_loop
+
+    mtgs_loop.train(args)
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("mtgs")
-    return {
-        "faulty": _job(tmp, "faulty", "nan_grad@1:7,sigkill@0:23"),
-        "reference": _job(tmp, "reference", ""),
-    }
+    faulty = _faulty_job(tmp, "nan_grad@1:7,sigkill@0:23")
+    run_distributed(_reference_rank, _WORLD, args=(_args(tmp, "reference"),), timeout_s=240)
+    return {"faulty": faulty, "reference": tmp / "reference"}
 
 
 def _read(out: Path, what: str, rank: int, attempt: int) -> str:

@@ -53,15 +53,22 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
 
 
 def main() -> int:
+    torch.set_num_threads(1)
+    init_process_group("gloo")
+    train(sys.argv[1:])
+    dist.destroy_process_group()
+    return 0
+
+
+def train(argv: list[str]) -> None:
+    """The whole worker after the process group exists (also run by run_distributed)."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--disk-folder", type=Path, required=True)
     p.add_argument("--kill-step", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=1)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    init_process_group("gloo")
+    args = p.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = restart_count() or 0
     torch.manual_seed(0)
@@ -93,8 +100,6 @@ def main() -> int:
         for key, value in st.items():
             final[f"optim/{names[id(param)]}/{key}"] = value.detach().clone().reshape(-1)
     save_file(final, str(args.out / f"final-rank{rank}.safetensors"))
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
