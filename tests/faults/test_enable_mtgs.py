@@ -5,7 +5,8 @@
 rank 1's gradient turns NaN at step 7 (MTGS aborts the step on both ranks and
 retries it; nothing is captured of the aborted attempt) and rank 0 is
 SIGKILLed in the middle of step 23's backward pass (torchrun restarts the
-group, GEMINI recovers step 20). The job ends bit-identical to a fault-free one
+group, GEMINI recovers step 20, or step 10 when step 20 had not reached the disk
+yet). The job ends bit-identical to a fault-free one
 (the same worker code on 2 ranks through ``run_distributed``).
 """
 
@@ -65,13 +66,15 @@ def _read(out: Path, what: str, rank: int, attempt: int) -> str:
     return (out / f"{what}-rank{rank}-attempt{attempt}.txt").read_text()
 
 
-def test_the_nan_step_is_retried_and_the_killed_job_resumes_after_step_20(
+def test_the_nan_step_is_retried_and_the_killed_job_resumes_after_a_capture(
     jobs: dict[str, Path],
 ) -> None:
     for rank in range(_WORLD):
         assert _read(jobs["faulty"], "start", rank, 0) == "0"
         assert json.loads(_read(jobs["faulty"], "retried", rank, 0)) == {"7": ["nonfinite_grad"]}
-        assert _read(jobs["faulty"], "start", rank, 1) == "20"
+        # Until GEMINI slots outlive the process the restarted workers read node-local disk,
+        # where the capture of step 20 may still be on its way (then step 10 is used).
+        assert _read(jobs["faulty"], "start", rank, 1) in ("20", "10")
         assert json.loads(_read(jobs["faulty"], "retried", rank, 1)) == {}
         assert json.loads(_read(jobs["reference"], "retried", rank, 0)) == {}
 
