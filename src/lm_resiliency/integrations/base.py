@@ -1,0 +1,237 @@
+"""The seam between ``enable_resiliency`` and the framework adapters.
+
+An adapter says, for one rank, what that rank's unique recovery state is, how
+to put it back, where the training-step boundary is and which ranks hold what.
+It never monkeypatches the framework. ``enable_resiliency`` finds the adapter
+with :func:`lm_resiliency.integrations.registry.adapter_for` and drives it.
+
+Call order (every rank; the handle does all of it)::
+
+    adapter = adapter_for(model, optimizer)      # detect by type, import lazily
+    layout = adapter.parallel_layout()           # once: the checkpoint group, HSDP replicas
+    adapter.validate_capture()                   # once, before recovery (cheap checks)
+    # recovery (collective): the manager loads the tree captured below, then
+    adapter.load_state_dict(tree["adapter"])     # every rank, same step
+    adapter.load_rank_state_dict(tree["rank"]["adapter"])
+    unbind = adapter.bind(boundary)              # connect the step boundary
+    ...
+    # at every interval-th boundary, on the training thread, after the step:
+    tree = {"adapter": adapter.state_dict(), "rank": {"adapter": adapter.rank_state_dict(), ...}}
+    ...
+    unbind(); adapter.close()
+
+A framework that owns the training loop (a ``Trainer``, an engine whose
+``step()`` is not a torch optimizer's) builds its adapter itself when its
+objects exist and calls ``lm_resiliency.resiliency.enable.enable_adapter(adapter,
+config=..., load_fallback=..., state=..., restore_rng=...)``; its ``bind``
+stores the boundary and its own callbacks call ``before_step()`` (before the
+parameters change) and ``after_step()`` (once per completed step, at the point
+where everything the next step depends on is settled). ``restore_rng`` defers
+the generators' restore when the framework draws from them between the
+restore and its first step (see ``integrations/hf.py``).
+
+What the handle adds itself (adapters must not capture it again): every RNG
+the step draws from (torch CPU and every CUDA generator, Python ``random``,
+NumPy's global generator), the step count and the caller's ``state`` objects.
+
+Collectiveness: ``load_state_dict`` may issue collectives (it runs on every
+rank at the same point, e.g. to re-establish DDP's bucket layout); the other
+methods are local and cheap. ``state_dict`` runs on the training thread right
+after a step and must only *reference* tensors (they are copied asynchronously
+before the next step modifies them); it must never gather across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Adapter",
+    "AdapterBase",
+    "DurableFallback",
+    "ParallelLayout",
+    "StepBoundary",
+    "Unbind",
+]
+
+DurableFallback = Callable[[], "int | None"]
+"""The framework's own durable-checkpoint loader: restores in place, returns the step or None."""
+
+Unbind = Callable[[], None]
+"""Undoes :meth:`Adapter.bind` (removes the hooks or callbacks it installed)."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Which ranks checkpoint together and which hold identical state.
+
+    ``group``: the ranks that checkpoint together (``None``: the default group,
+    or a single process without one). ``replica_ranks``: HSDP-style natural
+    replicas, the ranks (numbered in ``group``) whose model and optimizer
+    shards are byte-identical to this rank's, this rank included; ``None``
+    when there are none. ``replica_group``: a process group of exactly those
+    ranks (the handle gathers every member's per-rank state through it, so a
+    rank restored from a replica's slot finds its own RNG and data position).
+    ``comparison_groups``: for SCOUT, every group of ranks holding identical
+    replicas of the same parameters (data-parallel peers), in ``group``
+    numbering; empty when unknown.
+    """
+
+    group: dist.ProcessGroup | None = None
+    replica_ranks: tuple[int, ...] | None = None
+    replica_group: dist.ProcessGroup | None = None
+    comparison_groups: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.replica_ranks is not None and len(self.replica_ranks) < 2:
+            raise ValueError(
+                f"replica_ranks={self.replica_ranks} must name at least two ranks "
+                "(this rank and a replica) or be None"
+            )
+        if (self.replica_ranks is None) != (self.replica_group is None):
+            raise ValueError("replica_ranks and replica_group must be given together")
+
+
+@runtime_checkable
+class StepBoundary(Protocol):
+    """The training-step boundary the handle reacts to (given to :meth:`Adapter.bind`).
+
+    ``before_step()``: the parameters are about to be modified (waits for the
+    capture in flight, so a capture is never torn). ``after_step()``: one
+    training step completed on this rank (counts it; at every ``interval``-th
+    step runs SCOUT's gate and launches the capture). Both run on the training
+    thread, in that order, once per step; both are local (no collectives),
+    except what a capture itself does in the background.
+    """
+
+    def before_step(self) -> None: ...
+
+    def after_step(self) -> None: ...
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """One framework's view of one rank's recovery state. See the module doc for the order."""
+
+    framework: str
+    """``"torch"``, ``"ddp"``, ``"fsdp2"``, ``"hsdp"``, ``"hf"``, ``"deepspeed"``, ..."""
+
+    def step_optimizers(self) -> Sequence[torch.optim.Optimizer]:
+        """Torch optimizers whose ``step()`` marks the boundary (after all of them stepped once)."""
+        ...
+
+    def bind(self, boundary: StepBoundary) -> Unbind:
+        """Call ``boundary.before_step()``/``after_step()`` at this framework's step boundary.
+
+        :class:`AdapterBase` does it with the public step pre-/post-hooks of
+        :meth:`step_optimizers`; frameworks that own the loop (a ``Trainer``, an
+        engine whose optimizer is not a torch optimizer) use their own callbacks.
+        """
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's unique recovery state after a step (replica-identical under HSDP).
+
+        Tensors (may be on device, may be views of live storage) and plain
+        values; only what cannot be derived; never gathered across ranks.
+        """
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore in place onto the live objects; re-derive derived state.
+
+        Every rank calls it at the same point (it may issue collectives).
+        Raises :class:`~lm_resiliency.errors.ConfigError` naming what changed when
+        the state was captured under another world, mesh or placement.
+        """
+        ...
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """Per-rank extras that differ between HSDP replicas (data position, ...); often ``{}``."""
+        ...
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`rank_state_dict` returned (this rank's own part)."""
+        ...
+
+    def validate_capture(self) -> None:
+        """Cheap checks at enable time (unsupported configuration); raise ``ConfigError``."""
+        ...
+
+    def parallel_layout(self) -> ParallelLayout:
+        """The checkpoint group and natural replicas of this rank."""
+        ...
+
+    def durable_fallback(self) -> DurableFallback | None:
+        """The framework's own durable-checkpoint loader, or ``None`` (the caller's is used)."""
+        ...
+
+    def modules(self) -> Sequence[torch.nn.Module]:
+        """The modules SCOUT derives its recipes from (the unwrapped model)."""
+        ...
+
+    def close(self) -> None:
+        """Remove whatever the adapter installed (hooks); idempotent."""
+        ...
+
+
+class AdapterBase:
+    """Defaults for an :class:`Adapter`: optimizer-hook boundary, no per-rank extras.
+
+    Subclasses set ``framework`` and implement ``state_dict``/``load_state_dict``
+    and ``modules``; they override the rest only when their framework differs.
+    """
+
+    framework = "base"
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self._optimizers = list(optimizers)
+
+    def step_optimizers(self) -> Sequence[torch.optim.Optimizer]:
+        return list(self._optimizers)
+
+    def bind(self, boundary: StepBoundary) -> Unbind:
+        """Public optimizer step hooks: pre-hook waits, the last post-hook of a step counts.
+
+        With several optimizers the step is complete once every one of them
+        stepped since the previous boundary (e.g. a GAN's two optimizers).
+        """
+        from lm_resiliency.integrations._hooks import bind_optimizer_hooks
+
+        return bind_optimizer_hooks(self.step_optimizers(), boundary)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(
+                f"{type(self).__name__} captured no per-rank state but was given keys "
+                f"{sorted(state)}; the checkpoint was written by another adapter"
+            )
+
+    def validate_capture(self) -> None:
+        return None
+
+    def parallel_layout(self) -> ParallelLayout:
+        return ParallelLayout()
+
+    def durable_fallback(self) -> DurableFallback | None:
+        return None
+
+    def modules(self) -> Sequence[torch.nn.Module]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return None
