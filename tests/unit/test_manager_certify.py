@@ -1,0 +1,79 @@
+"""The manager's certification API for SCOUT: trust in memory at once, on disk in the background."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lm_resiliency import InMemoryCkptConfig, RecoveryMode
+from lm_resiliency.experimental import InMemoryCheckpointManager
+from lm_resiliency.persistence import RecoveryVerdict, TrustStatus
+from lm_resiliency.persistence.catalog import scan
+
+
+def _cfg(tmp: Path) -> InMemoryCkptConfig:
+    return InMemoryCkptConfig(
+        disk_folder=tmp, disk_flush_interval=0, run_id="certify", signal_flush=False
+    )
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((4, 4), float(step)), "step": step}
+
+
+def _trust_on_disk(tmp: Path) -> dict[int, str | None]:
+    (run,) = scan(tmp)
+    (topo,) = run.topologies
+    return {g.step: g.shards[0].trust for g in topo.generations}
+
+
+def test_certified_steps_are_persisted_with_their_trust_and_survive_a_restart(
+    tmp_path: Path,
+) -> None:
+    with InMemoryCheckpointManager(_cfg(tmp_path)) as m:
+        trust = {10: TrustStatus.RECOVERY_VERIFIED, 20: TrustStatus.CANDIDATE}
+        for step in (10, 20, 30):
+            m.save(_state(step), step)
+            if step in trust:
+                m.certify(step, trust[step])  # the capture is still in flight
+            m.maybe_wait()
+        assert m.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10  # memory: at once
+        m.reject(20, reason="sdc on rank 1")
+        m.require_verified_recovery(40, reason="sdc on rank 1 at step 40")
+        assert m.wait_persisted(timeout_s=30)
+        # Step 30 was neither certified nor due for a periodic flush: never written.
+        assert _trust_on_disk(tmp_path) == {10: "recovery_verified", 20: "candidate"}
+        sidecar = json.loads((m.store().topology_path / "status-rank-0.json").read_text())
+        assert sidecar["verified_history"] == [10] and sidecar["candidate_step"] is None
+        assert sidecar["rejected"] == [{"step": 20, "reason": "sdc on rank 1"}]
+
+    # A new process: memory is gone, the trust records are not.
+    with InMemoryCheckpointManager(_cfg(tmp_path)) as fresh:
+        assert fresh.recovery_verdict() == RecoveryVerdict(40, "sdc on rank 1 at step 40")
+        assert fresh.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10
+        assert fresh.find_latest() == 20
+        state = fresh.load(10, mode=RecoveryMode.RECOVERY_VERIFIED)
+        assert torch.equal(state["w"], _state(10)["w"])
+        fresh.clear_recovery_verdict()
+        assert fresh.wait_trust(timeout_s=30)
+    with InMemoryCheckpointManager(_cfg(tmp_path)) as again:
+        assert again.recovery_verdict() is None
+
+
+def test_promotion_needs_no_second_write_and_unverified_is_refused(tmp_path: Path) -> None:
+    with InMemoryCheckpointManager(_cfg(tmp_path)) as m:
+        m.save(_state(10), 10)
+        m.certify(10, TrustStatus.CANDIDATE)  # capture possibly still in flight
+        m.maybe_wait()
+        m.certify(10, TrustStatus.RECOVERY_VERIFIED, persist=False)
+        assert m.wait_persisted(timeout_s=30)
+        # One write; its header has the trust known when it ran (candidate or already verified).
+        assert m.flush_stats.written == 1
+        assert _trust_on_disk(tmp_path)[10] in {"candidate", "recovery_verified"}
+        assert m.store().status().verified_history == (10,)
+        assert m.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10
+        with pytest.raises(ValueError, match="not UNVERIFIED"):
+            m.certify(10, TrustStatus.UNVERIFIED)
