@@ -1,0 +1,546 @@
+"""``Scout``: SCOUT for one rank - checks, capture vetoes and certification.
+
+Call order on every rank (the plain training loop with GEMINI)::
+
+    scout = Scout(ScoutConfig(), model, manager=manager, interval=manager.config.interval)
+    for step in range(1, max_steps + 1):
+        loss = model(batch).backward(); manager.maybe_wait()
+        optimizer.step(); optimizer.zero_grad()
+        if step % manager.config.interval == 0:
+            if scout.before_capture(step):       # collective: a check at this boundary
+                manager.save(state(), step)
+                scout.after_capture(step)        # local: certify the capture
+        else:
+            scout.maybe_check(step)              # collective; only if a class is due
+    scout.close()
+
+Collective calls (every rank, same steps, same order): the constructor,
+:meth:`check`, :meth:`maybe_check`, :meth:`before_capture`, :meth:`sweep`,
+:meth:`close`. Local: :meth:`after_capture`, :meth:`recovered`. Checks run at step
+boundaries (after ``optimizer.step()``), never inside a forward/backward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lm_resiliency.detection.assess import Assessment, assess, check_consistent, describe_groups
+from lm_resiliency.detection.blocks import partition, structure_fingerprint, uncovered_params
+from lm_resiliency.detection.catalog import DynamicCatalog
+from lm_resiliency.detection.certify import Certifier, TrustSink
+from lm_resiliency.detection.config import ScoutConfig
+from lm_resiliency.detection.execute import Executed, Executor
+from lm_resiliency.detection.fingerprint import config_fingerprint
+from lm_resiliency.detection.groups import ComparisonGroups
+from lm_resiliency.detection.planner import Planner
+from lm_resiliency.detection.result import CHECK_EVENT, ScoutResult, ScoutStatus, Straggler
+from lm_resiliency.detection.signature import Recorder
+from lm_resiliency.detection.verdict import Outcome, StragglerRule
+from lm_resiliency.detection.wire import Channel, RankReport, decode_spec, encode_spec
+from lm_resiliency.errors import ConfigError, ResiliencyError
+from lm_resiliency.telemetry import EventLog
+
+log = logging.getLogger(__name__)
+
+#: After this many non-reproducible replays a block is no longer replayed.
+_NONDETERMINISTIC_LIMIT = 2
+_DEFAULT_INTERVAL = 10
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module a data-parallel wrapper holds (``DistributedDataParallel.module``)."""
+    inner = getattr(model, "module", None)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and isinstance(
+        inner, nn.Module
+    ):
+        return inner
+    return model
+
+
+class Scout:
+    """SCOUT on one rank. See the module docstring for the call order.
+
+    ``manager``: the GEMINI manager (or any :class:`TrustSink`) that certification
+    drives; ``None`` checks without certifying. ``groups``: the comparison groups
+    (default: every rank is a DDP peer). ``dynamic``: a dynamic catalog (MoE
+    experts). ``interval``: GEMINI's capture interval, the default of every class.
+    ``on_candidate(step)``: the framework's durable-candidate writer, called on
+    the training thread when a step becomes CANDIDATE (keep it asynchronous).
+    ``events``: the structured log for ``scout.check`` events.
+
+    Raises ``ConfigError`` when torch.distributed is not initialized, when a
+    group has fewer than two ranks, or when peers of a group run a different
+    model structure or configuration.
+    """
+
+    def __init__(
+        self,
+        config: ScoutConfig,
+        model: nn.Module,
+        *,
+        manager: TrustSink | None = None,
+        groups: ComparisonGroups | None = None,
+        dynamic: DynamicCatalog | None = None,
+        interval: int | None = None,
+        on_candidate: Callable[[int], None] | None = None,
+        events: EventLog | None = None,
+    ) -> None:
+        if not isinstance(config, ScoutConfig):
+            raise ConfigError(f"config={config!r} must be a ScoutConfig")
+        self.config = config
+        self.model = unwrap(model)
+        self.events = events
+        self.last_result: ScoutResult | None = None
+        self._closed = False
+        default = interval if interval is not None else _DEFAULT_INTERVAL
+        if isinstance(default, bool) or not isinstance(default, int) or default < 1:
+            raise ConfigError(f"interval={interval!r} must be a positive int (GEMINI's interval)")
+        dyn_on = dynamic is not None and config.dynamic.enabled
+        self.intervals = {
+            name: config.class_interval(name, default) for name in ("dense", "optimizer")
+        }
+        self.intervals["dynamic"] = config.class_interval("dynamic", default) if dyn_on else None
+        self.certifier = Certifier(
+            manager, dynamic=dyn_on, persist=config.persist_certified, on_candidate=on_candidate
+        )
+        if not config.enable:
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                "SCOUT compares replicas across ranks: call torch.distributed.init_process_group "
+                "on every rank before building Scout (or use ScoutConfig(enable=False))"
+            )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.groups = groups if groups is not None else ComparisonGroups.ddp(self.world_size)
+        if self.groups.world_size != self.world_size:
+            raise ConfigError(
+                f"comparison groups cover world_size={self.groups.world_size}, but the job has "
+                f"{self.world_size} ranks"
+            )
+        self.blocks = partition(self.model)
+        self.channel = Channel(self.groups, rank=self.rank, timeout_s=config.timeout_s)
+        self.is_source = self.channel.source == self.rank
+        keep = config.max_int_input_bytes
+        recorders: list[Recorder] = []
+        self.recorder = self.dynamic_recorder = None
+        if self.is_source:
+            self.recorder = Recorder(
+                [b.module for b in self.blocks], keep_int_bytes=keep, count_distinct=False
+            )
+            recorders.append(self.recorder)
+            if dyn_on and dynamic is not None:
+                self.dynamic_recorder = Recorder(
+                    dynamic.modules, keep_int_bytes=keep, count_distinct=dynamic.shapes is None
+                )
+                recorders.append(self.dynamic_recorder)
+        self.dynamic = dynamic if dyn_on else None
+        self.planner = Planner(
+            self.blocks, self.recorder, self.dynamic, self.dynamic_recorder, seed=config.seed
+        )
+        self.executor = Executor(
+            self.blocks, uncovered_params(self.model, self.blocks), self.dynamic, recorders
+        )
+        self.rule = StragglerRule(
+            config.straggler_mad_factor, config.straggler_floor_s, config.straggler_min_slowdown
+        )
+        self.fingerprint = config_fingerprint(self.model, structure_fingerprint(self.blocks))
+        self._agree_fingerprint()
+        self._seq = 0
+        self._pending_capture: int | None = None
+        n = len(self.groups.groups)
+        self._progress = [0] * n
+        self._done = [False] * n
+        self._nondeterministic: Counter[int] = Counter()
+        if self.rank == 0:
+            log.info(
+                "SCOUT: %d blocks, groups %s, intervals %s",
+                len(self.blocks),
+                self.groups.describe(),
+                self.intervals,
+            )
+
+    def _agree_fingerprint(self) -> None:
+        rows = self.channel.gather_u64([self.fingerprint])
+        for g in self.groups.groups:
+            values = {rows[r][0] for r in g}
+            if len(values) != 1:
+                raise ConfigError(
+                    f"SCOUT peers {list(g)} differ in model structure or configuration (torch "
+                    "version, device, CPU threads, block shapes); replicas must run identically. "
+                    "Fingerprints: " + ", ".join(f"rank {r}: {rows[r][0]:016x}" for r in g)
+                )
+
+    # -- schedule ----------------------------------------------------------------------
+
+    def due(self, step: int) -> set[str]:
+        """The recipe classes whose interval divides ``step``."""
+        return {n for n, every in self.intervals.items() if every is not None and step % every == 0}
+
+    def _boundary_classes(self, step: int) -> set[str]:
+        classes = self.due(step)
+        if not classes & {"dense", "optimizer"}:
+            # A capture needs an accepted result at its own step: run the dense recipes.
+            classes |= {n for n in ("dense", "optimizer") if self.intervals[n] is not None}
+        return classes
+
+    # -- public API ---------------------------------------------------------------------
+
+    def check(self, step: int) -> ScoutResult:
+        """Collective: run one check now (the due classes; at least dense and optimizer)."""
+        self._check_open()
+        if not self.config.enable:
+            return self._disabled(step)
+        return self._check(step, self._boundary_classes(step))
+
+    def maybe_check(self, step: int) -> ScoutResult | None:
+        """Collective: run a check if a recipe class is due at ``step``; else ``None``."""
+        self._check_open()
+        if not self.config.enable:
+            return None
+        classes = self.due(step)
+        return self._check(step, classes) if classes else None
+
+    def before_capture(self, step: int) -> bool:
+        """Collective: check at this capture boundary; True when the capture may proceed.
+
+        Reuses a check already run at ``step``. False after SDC or an inconclusive
+        comparison (then the current candidate is rejected and verified recovery is
+        required, job-wide), while latched after an earlier SDC, or when no
+        recipe produced evidence.
+        """
+        self._check_open()
+        if not self.config.enable:
+            return True
+        last = self.last_result
+        result = last if last is not None and last.step == step else self.check(step)
+        self._pending_capture = step if result.capture_allowed else None
+        return result.capture_allowed
+
+    def after_capture(self, step: int) -> None:
+        """Local: certify the capture just taken at ``step`` (after ``manager.save``).
+
+        Dense: ``RECOVERY_VERIFIED``; dynamic: ``CANDIDATE`` after a complete cycle
+        (promoting the previous candidate). Persistence runs in the background.
+        Raises ``ResiliencyError`` without a permitting ``before_capture(step)``.
+        """
+        self._check_open()
+        if not self.config.enable:
+            return
+        if self._pending_capture != step:
+            raise ResiliencyError(
+                f"after_capture({step}) without a permitting before_capture({step}); call "
+                "before_capture at the boundary and capture only when it returns True"
+            )
+        self._pending_capture = None
+        self.certifier.captured(step)
+
+    def recovered(self, step: int, *, verified: bool) -> None:
+        """Local: the state of ``step`` was restored (``verified``: a RECOVERY_VERIFIED step).
+
+        A verified recovery unlatches SCOUT after an SDC; the persisted verdict is
+        cleared at the next certification. Call on every rank.
+        """
+        self.certifier.recovered(verified=verified)
+        log.info("SCOUT: recovered step %d (verified=%s)", step, verified)
+
+    def sweep(self, step: int = 0, *, warmup: Callable[[], Any] | None = None) -> ScoutResult:
+        """Collective: replay the full enabled catalog (every block, every dynamic recipe).
+
+        For recovery after a hang: ``result.complete_cycle`` is True only when
+        every recipe was replayed and compared clean in every group. Blocks never
+        seen in a forward (a fresh process) have no shapes: pass ``warmup`` (run
+        one forward on a representative batch) or the sweep is incomplete.
+        """
+        self._check_open()
+        if not self.config.enable:
+            return self._disabled(step)
+        if warmup is not None:
+            with torch.no_grad():
+                warmup()
+        classes = {n for n in ("dense", "optimizer", "dynamic") if self.intervals[n] is not None}
+        return self._sweep(step, classes)
+
+    @property
+    def latched(self) -> str | None:
+        """Why captures are blocked after an SDC (until a verified recovery), or ``None``."""
+        return self.certifier.latched
+
+    def close(self) -> None:
+        """Remove SCOUT's hooks and groups. Collective (destroys process groups)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.config.enable:
+            return
+        for r in self.executor.recorders:
+            r.remove()
+        self.channel.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ResiliencyError("this Scout is closed; create a new one")
+
+    def _disabled(self, step: int) -> ScoutResult:
+        return ScoutResult(step=step, status=ScoutStatus.HEALTHY, reason="SCOUT disabled")
+
+    def _round(
+        self, step: int, doc: dict[str, Any] | None, blobs: list[bytes]
+    ) -> tuple[dict[str, Any], list[bytes], Executed, list[RankReport], float]:
+        t0 = time.perf_counter()
+        body = encode_spec(doc, blobs) if doc is not None else None
+        spec, spec_blobs = decode_spec(self.channel.broadcast_spec(body))
+        t1 = time.perf_counter()
+        done = self.executor.run(spec, spec_blobs)
+        t2 = time.perf_counter()
+        reports = self.channel.gather_reports(self._report(step, done))
+        check_consistent(reports, self.groups)
+        exchange = (t1 - t0) + (time.perf_counter() - t2)
+        return spec, spec_blobs, done, reports, exchange
+
+    def _report(self, step: int, done: Executed) -> RankReport:
+        return RankReport(self._seq, step, self.fingerprint, self.latched is not None, done.reports)
+
+    def _exchange(
+        self, step: int, plan: Callable[[], tuple[dict[str, Any], list[bytes]]]
+    ) -> tuple[Assessment, Executed, list[RankReport], dict[str, float], bool]:
+        self._seq += 1
+        doc, blobs = plan() if self.is_source else (None, [])
+        spec, spec_blobs, done, first, exchange = self._round(step, doc, blobs)
+        replay_s = sum(c.seconds for c in done.reports)
+        a = assess(first, self.groups, self.rule)
+        rerun = a.anomalies()
+        if rerun:
+            again = self.executor.run(spec, spec_blobs)
+            t = time.perf_counter()
+            second = self.channel.gather_reports(self._report(step, again))
+            exchange += time.perf_counter() - t
+            replay_s += sum(c.seconds for c in again.reports)
+            a = assess(first, self.groups, self.rule, second)
+        for cls, text in done.errors.items():
+            log.warning("rank %d: SCOUT %s replay failed: %s", self.rank, cls, text)
+        return a, done, first, {"replay": replay_s, "exchange": exchange}, rerun
+
+    def _check(self, step: int, classes: set[str]) -> ScoutResult:
+        t0 = time.perf_counter()
+        bytes0 = self.channel.bytes_exchanged
+        gi = self.groups.index_of(self.rank)
+
+        def plan() -> tuple[dict[str, Any], list[bytes]]:
+            return self.planner.plan(
+                seq=self._seq, step=step, classes=classes, progress=self._progress[gi]
+            )
+
+        a, done, reports, timings, rerun = self._exchange(step, plan)
+        self._learn(a, reports)
+        corrupt = bool(a.outcomes(Outcome.SDC) or a.outcomes(Outcome.INCONCLUSIVE))
+        cycle = self._advance_cycles(a, reports, corrupt) if "dynamic" in classes else False
+        result = self._result(step, a, done, timings, rerun, cycle, bytes0, t0)
+        self.certifier.observe(
+            step, corrupt=result.status.corrupt, reason=result.reason, cycle_complete=cycle
+        )
+        if self.latched is not None and result.capture_allowed:
+            result = _replace_capture(result, self.latched)
+        return self._record(result)
+
+    def _sweep(self, step: int, classes: set[str]) -> ScoutResult:
+        t0 = time.perf_counter()
+        bytes0 = self.channel.bytes_exchanged
+        n_groups = len(self.groups.groups)
+        sizes = [0] * n_groups  # dynamic catalog size per group (learnt in round 0)
+        rounds, r = max(len(self.blocks), 1), 0
+        missing: list[str] = []
+        worst: ScoutResult | None = None
+        timings = {"replay": 0.0, "exchange": 0.0}
+        while r < rounds:
+
+            def plan(round_: int = r) -> tuple[dict[str, Any], list[bytes]]:
+                return self.planner.plan_sweep(
+                    seq=self._seq, step=step, round_=round_, classes=classes
+                )
+
+            a, done, reports, t, rerun = self._exchange(step, plan)
+            self._learn(a, reports)
+            if r == 0 and "dynamic" in classes:
+                sizes = [reports[g[0]].of("dynamic").extra for g in self.groups.groups]
+                rounds = max(rounds, *sizes)
+                missing += [
+                    f"group {gi}: empty dynamic catalog" for gi in range(n_groups) if not sizes[gi]
+                ]
+            for key in ("replay", "exchange"):
+                timings[key] += t[key]
+            for gi in range(n_groups):
+                wanted = []
+                if "dense" in classes and r < len(self.blocks):
+                    wanted.append("dense")
+                if "optimizer" in classes and r < len(self.blocks):
+                    wanted.append("optimizer")
+                if "dynamic" in classes and r < sizes[gi]:
+                    wanted.append("dynamic")
+                for name in wanted:
+                    if a.verdicts[(gi, name)].outcome is not Outcome.CLEAN:
+                        missing.append(f"group {gi} {name} round {r}")
+            res = self._result(step, a, done, t, rerun, False, bytes0, t0)
+            if worst is None or _severity(res.status) > _severity(worst.status):
+                worst = res
+            r += 1
+        assert worst is not None
+        complete = not missing and not worst.status.corrupt
+        if worst.reason:
+            reason = worst.reason
+        elif complete:
+            reason = f"complete clean sweep of {r} rounds"
+        else:
+            reason = f"incomplete sweep, no evidence for: {', '.join(missing[:6])}"
+        result = ScoutResult(
+            step=step,
+            status=worst.status,
+            faulty_ranks=worst.faulty_ranks,
+            stragglers=worst.stragglers,
+            recipe=f"sweep of {r} rounds",
+            timings={**timings, "total": time.perf_counter() - t0},
+            bytes_exchanged=self.channel.bytes_exchanged - bytes0,
+            capture_allowed=worst.capture_allowed,
+            reason=reason,
+            rerun=worst.rerun,
+            complete_cycle=complete,
+            groups=worst.groups,
+        )
+        self.certifier.observe(
+            step, corrupt=result.status.corrupt, reason=reason, cycle_complete=False
+        )
+        return self._record(result)
+
+    def _learn(self, a: Assessment, reports: list[RankReport]) -> None:
+        """Disable blocks that cannot be replayed (identically on every rank)."""
+        for (gi, name), v in a.verdicts.items():
+            if name != "dense":
+                continue
+            block = reports[self.groups.groups[gi][0]].of("dense").recipe
+            if v.outcome is Outcome.NONDETERMINISTIC:
+                self._nondeterministic[block] += 1
+                if self._nondeterministic[block] >= _NONDETERMINISTIC_LIMIT:
+                    self._disable(block, v.detail)
+            elif v.outcome is Outcome.NO_EVIDENCE and "failed on every peer" in v.detail:
+                self._disable(block, v.detail)
+
+    def _disable(self, block: int, why: str) -> None:
+        if block in self.planner.disabled or not 0 <= block < len(self.blocks):
+            return
+        self.planner.disabled.add(block)
+        if self.rank == 0:
+            log.warning(
+                "SCOUT no longer replays block %d (%s): %s", block, self.blocks[block].label, why
+            )
+
+    def _advance_cycles(self, a: Assessment, reports: list[RankReport], corrupt: bool) -> bool:
+        """Mirror every group's cycle progress; True when a cycle completed job-wide."""
+        if corrupt:
+            self._progress = [0] * len(self._progress)
+            self._done = [False] * len(self._done)
+            return False
+        for gi, ranks in enumerate(self.groups.groups):
+            c = reports[ranks[0]].of("dynamic")
+            if (
+                a.verdicts[(gi, "dynamic")].outcome is Outcome.CLEAN
+                and c.recipe == self._progress[gi]
+            ):
+                self._progress[gi] += 1
+                if self._progress[gi] >= c.extra:
+                    self._progress[gi] = 0
+                    self._done[gi] = True
+        if all(self._done):
+            self._done = [False] * len(self._done)
+            return True
+        return False
+
+    def _result(
+        self,
+        step: int,
+        a: Assessment,
+        done: Executed,
+        timings: dict[str, float],
+        rerun: bool,
+        cycle: bool,
+        bytes0: int,
+        t0: float,
+    ) -> ScoutResult:
+        groups = self.groups.groups
+        sdc = a.outcomes(Outcome.SDC)
+        inconclusive = a.outcomes(Outcome.INCONCLUSIVE)
+        stragglers = tuple(
+            Straggler(rank, round(s, 3), t, med) for rank, (s, t, med) in sorted(a.suspects.items())
+        )
+        reasons: list[str] = []
+        for gi, name in sdc:
+            v = a.verdicts[(gi, name)]
+            reasons.append(
+                f"group {list(groups[gi])} {name}: SDC on ranks {list(v.faulty)} ({v.detail})"
+            )
+        for gi, name in inconclusive:
+            v = a.verdicts[(gi, name)]
+            reasons.append(f"group {list(groups[gi])} {name}: inconclusive ({v.detail})")
+        evidence = all(
+            any(
+                a.verdicts[(gi, n)].outcome is Outcome.CLEAN
+                for n in ("dense", "optimizer", "dynamic")
+            )
+            for gi in range(len(groups))
+        )
+        if sdc:
+            status = ScoutStatus.SDC
+        elif inconclusive:
+            status = ScoutStatus.INCONCLUSIVE
+        elif stragglers:
+            status = ScoutStatus.STRAGGLER
+        else:
+            status = ScoutStatus.HEALTHY
+        if not evidence and not status.corrupt:
+            reasons.append("no recipe produced evidence in some group: the capture waits")
+        for gi, name in a.outcomes(Outcome.NONDETERMINISTIC):
+            reasons.append(f"group {list(groups[gi])} {name}: {a.verdicts[(gi, name)].detail}")
+        return ScoutResult(
+            step=step,
+            status=status,
+            faulty_ranks=a.faulty(),
+            stragglers=stragglers,
+            recipe=" ".join(done.labels),
+            timings={**timings, "total": time.perf_counter() - t0},
+            bytes_exchanged=self.channel.bytes_exchanged - bytes0,
+            capture_allowed=evidence and not status.corrupt,
+            reason="; ".join(reasons),
+            rerun=rerun,
+            complete_cycle=cycle,
+            groups=describe_groups(a, self.groups),
+        )
+
+    def _record(self, result: ScoutResult) -> ScoutResult:
+        self.last_result = result
+        event = result.to_event()
+        if self.events is not None:
+            self.events.log(CHECK_EVENT, **event)
+        level = logging.WARNING if result.status is not ScoutStatus.HEALTHY else logging.DEBUG
+        log.log(level, "%s %s", CHECK_EVENT, json.dumps({"rank": self.rank, **event}))
+        return result
+
+
+def _severity(status: ScoutStatus) -> int:
+    order = [ScoutStatus.HEALTHY, ScoutStatus.STRAGGLER, ScoutStatus.INCONCLUSIVE, ScoutStatus.SDC]
+    return order.index(status)
+
+
+def _replace_capture(result: ScoutResult, why: str) -> ScoutResult:
+    reason = f"{result.reason}; " if result.reason else ""
+    return replace(result, capture_allowed=False, reason=f"{reason}latched: {why}")

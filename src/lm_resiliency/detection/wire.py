@@ -1,0 +1,177 @@
+"""SCOUT's collectives: the replay spec broadcast and the job-wide report exchange.
+
+Both run on private CPU Gloo groups that SCOUT creates (so they work beside an
+NCCL training group and never interleave with the training's collectives):
+
+* ``broadcast_spec``: the comparison group's source peer sends the replay spec
+  (a JSON document plus the bytes of kept integer inputs) to its group: a
+  fixed 8-byte length, then the body, as ``uint8`` tensors;
+* ``gather_reports``: every rank's fixed-size :class:`RankReport` (128 bytes)
+  is all-gathered over the whole job. Every rank then evaluates every group from
+  the same bytes, so this single exchange is also the job-wide agreement
+  (cycle complete? SDC in any group?) that precedes any save, promotion or
+  rejection.
+
+No pickle: specs are JSON, reports are ``struct``-packed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import struct
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lm_resiliency.detection.groups import ComparisonGroups
+from lm_resiliency.errors import ResiliencyError
+
+_MAGIC = b"SCT1"
+_HEAD = struct.Struct("<4sQqQB7x")
+_CLASS = struct.Struct("<BxxxiiQQd")
+CLASSES = ("dense", "optimizer", "dynamic")
+REPORT_BYTES = _HEAD.size + _CLASS.size * len(CLASSES)
+
+
+class RunState(enum.IntEnum):
+    """What one recipe class did on a rank in one check."""
+
+    NOT_RUN = 0
+    OK = 1
+    ERROR = 2
+    NO_SIGNATURE = 3
+
+
+@dataclass(frozen=True)
+class ClassReport:
+    """One class's outcome on one rank: the recipe, its signature key hash, digest, time."""
+
+    state: RunState = RunState.NOT_RUN
+    recipe: int = -1
+    extra: int = 0
+    """The catalog size K for the dynamic class (0 otherwise)."""
+    signature: int = 0
+    digest: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """Everything one rank tells the job about one check (fixed size on the wire)."""
+
+    seq: int
+    step: int
+    fingerprint: int
+    latched: bool
+    classes: tuple[ClassReport, ClassReport, ClassReport]
+
+    def pack(self) -> bytes:
+        head = _HEAD.pack(_MAGIC, self.seq, self.step, self.fingerprint, int(self.latched))
+        body = b"".join(
+            _CLASS.pack(c.state, c.recipe, c.extra, c.signature, c.digest, c.seconds)
+            for c in self.classes
+        )
+        return head + body
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> RankReport:
+        magic, seq, step, fp, latched = _HEAD.unpack_from(raw, 0)
+        if magic != _MAGIC:
+            raise ResiliencyError(f"SCOUT report with magic {magic!r}; peers run another version")
+        classes = []
+        for i in range(len(CLASSES)):
+            st, recipe, extra, sig, dig, sec = _CLASS.unpack_from(raw, _HEAD.size + i * _CLASS.size)
+            classes.append(ClassReport(RunState(st), recipe, extra, sig, dig, sec))
+        return cls(seq, step, fp, bool(latched), (classes[0], classes[1], classes[2]))
+
+    def of(self, name: str) -> ClassReport:
+        return self.classes[CLASSES.index(name)]
+
+
+def encode_spec(doc: dict[str, Any], blobs: list[bytes]) -> bytes:
+    """A spec body: 4-byte JSON length, the JSON, then the blobs (lengths in the JSON)."""
+    full = {**doc, "blobs": [len(b) for b in blobs]}
+    text = json.dumps(full, separators=(",", ":")).encode()
+    return struct.pack("<I", len(text)) + text + b"".join(blobs)
+
+
+def decode_spec(body: bytes) -> tuple[dict[str, Any], list[bytes]]:
+    (n,) = struct.unpack_from("<I", body, 0)
+    doc: dict[str, Any] = json.loads(body[4 : 4 + n].decode())
+    blobs = []
+    at = 4 + n
+    for size in doc.pop("blobs"):
+        blobs.append(body[at : at + size])
+        at += size
+    if at != len(body):
+        raise ResiliencyError(f"SCOUT spec of {len(body)} bytes has {len(body) - at} stray bytes")
+    return doc, blobs
+
+
+class Channel:
+    """SCOUT's private Gloo groups of one rank. Construct on every rank (collective)."""
+
+    def __init__(self, groups: ComparisonGroups, *, rank: int, timeout_s: float) -> None:
+        self.groups = groups
+        self.rank = rank
+        timeout = timedelta(seconds=timeout_s)
+        self.world = dist.new_group(backend="gloo", timeout=timeout)
+        self.group_ranks = groups.group_of(rank)
+        self.source = groups.source_of(rank)
+        if len(groups.groups) == 1:
+            self.group = self.world
+        else:
+            mine = None
+            for ranks in groups.groups:  # every rank creates every group, in the same order
+                pg = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+                if rank in ranks:
+                    mine = pg
+            assert mine is not None
+            self.group = mine
+        self.bytes_exchanged = 0
+
+    def broadcast_spec(self, body: bytes | None) -> bytes:
+        """Collective in the comparison group: the source's ``body`` on every member."""
+        is_source = self.rank == self.source
+        if is_source and body is None:
+            raise ResiliencyError("the source peer must provide a spec to broadcast")
+        size = torch.tensor([len(body) if is_source and body is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=self.source, group=self.group)
+        n = int(size.item())
+        if is_source and body is not None:
+            buf = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+        if n:
+            dist.broadcast(buf, src=self.source, group=self.group)
+        self.bytes_exchanged += 8 + n
+        return bytes(buf.numpy().tobytes())
+
+    def gather_reports(self, report: RankReport) -> list[RankReport]:
+        """Collective over the whole job: every rank's report, in rank order."""
+        raw = report.pack()
+        mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        world = dist.get_world_size(self.world)
+        out = [torch.empty(len(raw), dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(out, mine, group=self.world)
+        self.bytes_exchanged += len(raw) * world
+        return [RankReport.unpack(bytes(t.numpy().tobytes())) for t in out]
+
+    def gather_u64(self, values: list[int]) -> list[list[int]]:
+        """Collective over the job: every rank's list of unsigned 64-bit values (same length)."""
+        mine = torch.tensor([v - (1 << 64) if v >= 1 << 63 else v for v in values])
+        world = dist.get_world_size(self.world)
+        out = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(out, mine, group=self.world)
+        return [[int(v) % (1 << 64) for v in t.tolist()] for t in out]
+
+    def close(self) -> None:
+        groups = {id(self.world): self.world, id(self.group): self.group}
+        for pg in groups.values():
+            with contextlib.suppress(Exception):  # gone with the default group already
+                dist.destroy_process_group(pg)
