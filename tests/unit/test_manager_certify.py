@@ -77,3 +77,39 @@ def test_promotion_needs_no_second_write_and_unverified_is_refused(tmp_path: Pat
         assert m.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10
         with pytest.raises(ValueError, match="not UNVERIFIED"):
             m.certify(10, TrustStatus.UNVERIFIED)
+
+
+def test_trust_report_shows_each_generation_as_inspect_would(tmp_path: Path) -> None:
+    from lm_resiliency.persistence.trust_view import trust_report
+
+    cfg = InMemoryCkptConfig(
+        disk_folder=tmp_path,
+        disk_flush_interval=40,
+        run_id="view",
+        signal_flush=False,
+        keep_generations=4,
+    )
+    with InMemoryCheckpointManager(cfg) as m:
+        m.save(_state(0), 0)  # flushed by the periodic flush: never certified
+        m.maybe_wait()
+        for step, trust in ((10, TrustStatus.RECOVERY_VERIFIED), (20, TrustStatus.CANDIDATE)):
+            m.save(_state(step), step)
+            m.certify(step, trust)
+            m.maybe_wait()
+        m.certify(20, TrustStatus.RECOVERY_VERIFIED, persist=False)  # promoted
+        m.save(_state(30), 30)
+        m.certify(30, TrustStatus.CANDIDATE)
+        m.maybe_wait()
+        m.reject(30, reason="SCOUT at step 40: group [0, 1, 2] dense: SDC on ranks [1]")
+        m.require_verified_recovery(40, reason="SDC on ranks [1]")
+        assert m.wait_persisted(timeout_s=30)
+    (topo,) = trust_report(tmp_path)
+    got = {g.step: (g.trust, g.why) for g in topo.generations}
+    assert got == {
+        0: ("unverified", "captured, not certified"),
+        10: ("recovery_verified", "every rank recorded it as recovery-verified"),
+        20: ("recovery_verified", "every rank recorded it as recovery-verified"),
+        30: ("rejected", "rank 0: SCOUT at step 40: group [0, 1, 2] dense: SDC on ranks [1]"),
+    }
+    assert topo.verdicts == {0: RecoveryVerdict(40, "SDC on ranks [1]")}
+    assert topo.unreadable == {}
