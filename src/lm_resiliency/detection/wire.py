@@ -6,7 +6,7 @@ NCCL training group and never interleave with the training's collectives):
 * ``broadcast_spec``: the comparison group's source peer sends the replay spec
   (a JSON document plus the bytes of kept integer inputs) to its group: a
   fixed 8-byte length, then the body, as ``uint8`` tensors;
-* ``gather_reports``: every rank's fixed-size :class:`RankReport` (128 bytes)
+* ``gather_reports``: every rank's fixed-size :class:`RankReport` (144 bytes)
   is all-gathered over the whole job. Every rank then evaluates every group from
   the same bytes, so this single exchange is also the job-wide agreement
   (cycle complete? SDC in any group?) that precedes any save, promotion or
