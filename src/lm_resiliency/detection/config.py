@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 
 from lm_resiliency.errors import ConfigError
 
-MiB = 1024 * 1024
-
 
 def _int(owner: str, name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -87,10 +85,6 @@ class ScoutConfig:
     straggler_min_slowdown: float = 2.0
     """... and at least this many times slower than that median. Confirmed by a re-run."""
 
-    max_int_input_bytes: int = 1 * MiB
-    """Integer inputs (token ids) up to this size are broadcast from the source peer;
-    larger ones are replaced by zeros of their shape."""
-
     persist_certified: bool = True
     """Persist every certified capture (own slot and held peer replica) to node-local disk."""
 
@@ -123,7 +117,6 @@ class ScoutConfig:
                 f"{owner}.straggler_min_slowdown={self.straggler_min_slowdown} is invalid; "
                 "use a factor >= 1 such as 2.0"
             )
-        _int(owner, "max_int_input_bytes", self.max_int_input_bytes, minimum=0)
         _flag(owner, "persist_certified", self.persist_certified)
         _positive(owner, "timeout_s", self.timeout_s)
 

@@ -60,7 +60,8 @@ class Executor:
             for r in self.recorders:
                 r.paused = False
 
-    def run(self, doc: dict[str, Any], blobs: list[bytes]) -> Executed:
+    def run(self, doc: dict[str, Any], classes: set[str]) -> Executed:
+        """Replay the parts of ``doc`` whose class is in ``classes``; local."""
         seed = int(doc["seed"])
         dense = optimizer = dynamic = ClassReport()
         labels: list[str] = []
@@ -68,20 +69,20 @@ class Executor:
         block_index = doc.get("block")
         block = self.blocks[block_index] if isinstance(block_index, int) else None
         with self._paused():
-            if "dense" in doc and block is not None:
-                dense = self._replay(block.module, doc["dense"], blobs, seed, block.index, 0)
+            if "dense" in classes and block is not None:
+                dense = self._replay(block.module, doc.get("dense"), seed, block.index, 0)
                 labels.append(f"dense[{block.index}]:{block.label}")
                 if dense.state is RunState.ERROR:
                     errors["dense"] = self._last_error
-            if doc.get("optimizer") and block is not None:
+            if "optimizer" in classes and block is not None:
                 params = [*block.params, *self.extra_params]
                 optimizer = ClassReport(RunState.OK, block.index, 0, 0, parameter_digest(params))
                 labels.append(f"optimizer[{block.index}]")
             spec = doc.get("dynamic")
-            if spec is not None and self.dynamic is not None:
+            if "dynamic" in classes and spec is not None and self.dynamic is not None:
                 module = self.dynamic.modules[int(spec["module"])]
                 k, big_k = int(spec["k"]), int(spec["K"])
-                dynamic = self._replay(module, spec["sig"], blobs, seed ^ 0x5DEECE66D, k, big_k)
+                dynamic = self._replay(module, spec["sig"], seed ^ 0x5DEECE66D, k, big_k)
                 labels.append(f"dynamic[{k + 1}/{big_k}]:module {spec['module']}")
                 if dynamic.state is RunState.ERROR:
                     errors["dynamic"] = self._last_error
@@ -91,14 +92,13 @@ class Executor:
         self,
         module: torch.nn.Module,
         sig_doc: dict[str, Any] | None,
-        blobs: list[bytes],
         seed: int,
         recipe: int,
         extra: int,
     ) -> ClassReport:
         if sig_doc is None:
             return ClassReport(RunState.NO_SIGNATURE, recipe, extra)
-        sig = decode(sig_doc, blobs)
+        sig = decode(sig_doc)
         outcome: ReplayOutcome = replay(module, sig, seed=seed)
         if outcome.error is not None:
             self._last_error = outcome.error

@@ -5,11 +5,12 @@ it broadcasts tells every member exactly what to replay, so members never need
 to agree on anything else. A spec is JSON::
 
     {"seq": n, "seed": s, "block": i | null,
-     "dense": <signature> | null      (present when the dense class runs),
-     "optimizer": true                (present when the optimizer class runs),
+     "dense": <signature> | null,
      "dynamic": {"k": k, "K": K, "module": m, "sig": <signature>} | null}
 
-plus the bytes of kept integer inputs (see :mod:`lm_resiliency.detection.signature`).
+A regular spec names everything the enabled classes may need; the check runs only
+the classes due at its step. Specs are planned at the end of the previous check
+and broadcast in the background (see :class:`~lm_resiliency.detection.scout.Scout`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from lm_resiliency.detection.catalog import DynamicCatalog
 from lm_resiliency.detection.signature import CallSignature, Recorder, encode
 
 
-def replay_seed(base: int, seq: int, step: int) -> int:
-    """The seed of one check's replays (63 bits, from the config seed, sequence and step)."""
-    h = hashlib.blake2b(f"scout:{base}:{seq}:{step}".encode(), digest_size=8)
+def replay_seed(base: int, seq: int) -> int:
+    """The seed of one check's replays (63 bits, from the config seed and the check number)."""
+    h = hashlib.blake2b(f"scout:{base}:{seq}".encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") >> 1
 
 
@@ -71,77 +72,43 @@ class Planner:
         self.dense_next = (chosen + 1) % n
         return chosen, sig
 
-    def plan(
-        self, *, seq: int, step: int, classes: set[str], progress: int
-    ) -> tuple[dict[str, Any], list[bytes]]:
-        """The spec of one regular check; ``progress``: next recipe index of the cycle."""
-        doc: dict[str, Any] = {"seq": seq, "seed": replay_seed(self.seed, seq, step)}
-        blobs: list[bytes] = []
+    def plan(self, *, seq: int, classes: set[str], progress: int) -> dict[str, Any]:
+        """The spec of regular check ``seq``; ``progress``: next recipe index of the cycle."""
+        doc: dict[str, Any] = {"seq": seq, "seed": replay_seed(self.seed, seq)}
         if classes & {"dense", "optimizer"}:
             block, sig = self.pick_block(need_signature="dense" in classes)
             doc["block"] = block
-            if "dense" in classes:
-                doc["dense"] = self._encode(sig, blobs)
-            if "optimizer" in classes:
-                doc["optimizer"] = True
+            doc["dense"] = _encode(sig)
         if "dynamic" in classes:
             if progress == 0 or not self.snapshot:
                 self.snapshot = self._snapshot()
-            doc["dynamic"] = self._dynamic(progress, blobs)
-        return doc, blobs
+            doc["dynamic"] = self._dynamic(progress)
+        return doc
 
-    def plan_sweep(
-        self, *, seq: int, step: int, round_: int, classes: set[str]
-    ) -> tuple[dict[str, Any], list[bytes]]:
+    def plan_sweep(self, *, seq: int, round_: int, classes: set[str]) -> dict[str, Any]:
         """Round ``round_`` of a full sweep: block ``round_`` and dynamic recipe ``round_``."""
-        doc: dict[str, Any] = {"seq": seq, "seed": replay_seed(self.seed, seq, step)}
-        blobs: list[bytes] = []
+        doc: dict[str, Any] = {"seq": seq, "seed": replay_seed(self.seed, seq)}
         if round_ < len(self.blocks) and classes & {"dense", "optimizer"}:
             doc["block"] = round_
-            if "dense" in classes:
-                sig = None if round_ in self.disabled else self._signature(round_)
-                doc["dense"] = self._encode(sig, blobs)
-            if "optimizer" in classes:
-                doc["optimizer"] = True
+            sig = None if round_ in self.disabled else self._signature(round_)
+            doc["dense"] = _encode(sig)
         if "dynamic" in classes:
             if round_ == 0:
                 self.snapshot = self._snapshot()
-            doc["dynamic"] = self._dynamic(round_, blobs) if round_ < len(self.snapshot) else None
-        return doc, blobs
+            doc["dynamic"] = self._dynamic(round_) if round_ < len(self.snapshot) else None
+        return doc
 
     def _snapshot(self) -> list[CallSignature]:
         return [] if self.dynamic is None else self.dynamic.snapshot(self.dynamic_recorder)
 
-    def _dynamic(self, k: int, blobs: list[bytes]) -> dict[str, Any] | None:
+    def _dynamic(self, k: int) -> dict[str, Any] | None:
         if self.dynamic is None or not self.snapshot:
             return None
         k = k % len(self.snapshot)
         module = self.module_next % len(self.dynamic.modules)
         self.module_next += 1
-        return {
-            "k": k,
-            "K": len(self.snapshot),
-            "module": module,
-            "sig": self._encode(self.snapshot[k], blobs),
-        }
-
-    @staticmethod
-    def _encode(sig: CallSignature | None, blobs: list[bytes]) -> dict[str, Any] | None:
-        if sig is None:
-            return None
-        doc, data = encode(sig)
-        # Renumber this signature's blobs after the ones already in the spec.
-        _shift(doc, len(blobs))
-        blobs.extend(data)
-        return doc
+        return {"k": k, "K": len(self.snapshot), "module": module, "sig": _encode(self.snapshot[k])}
 
 
-def _shift(doc: Any, offset: int) -> None:
-    if isinstance(doc, dict):
-        if doc.get("k") == "t" and doc.get("data") is not None:
-            doc["data"] += offset
-        for v in doc.values():
-            _shift(v, offset)
-    elif isinstance(doc, list):
-        for v in doc:
-            _shift(v, offset)
+def _encode(sig: CallSignature | None) -> dict[str, Any] | None:
+    return None if sig is None else encode(sig)

@@ -22,8 +22,9 @@ Isolation (what the training cannot observe afterwards):
   that do not synchronise buffers).
 
 Inputs: floating-point tensors are seeded normal values of the recorded shape and
-dtype (``requires_grad`` as recorded); integer tensors are the source peer's kept
-values (broadcast to every peer) or zeros; scalars are the recorded values.
+dtype (``requires_grad`` as recorded); integer tensors are seeded uniform values in
+the range the source peer recorded (or zeros), booleans uniform; scalars are the
+recorded values. Every peer draws the same values from the same seed.
 """
 
 from __future__ import annotations
@@ -134,8 +135,11 @@ def _materialize(
             t.requires_grad_(True)
             leaves.append(t)
         return t
-    if spec.data is not None:
-        return spec.data.to(device=device, copy=True)
+    if spec.dtype == torch.bool:
+        return torch.randint(0, 2, spec.shape, device=device).bool()
+    if spec.int_range is not None:
+        low, high = spec.int_range
+        return torch.randint(low, high, spec.shape, device=device, dtype=spec.dtype)
     return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
 
 

@@ -46,7 +46,7 @@ from lm_resiliency.detection.planner import Planner
 from lm_resiliency.detection.result import CHECK_EVENT, ScoutResult, ScoutStatus, Straggler
 from lm_resiliency.detection.signature import Recorder
 from lm_resiliency.detection.verdict import Outcome, StragglerRule
-from lm_resiliency.detection.wire import Channel, RankReport, decode_spec, encode_spec
+from lm_resiliency.detection.wire import Channel, PendingSpec, RankReport
 from lm_resiliency.errors import ConfigError, ResiliencyError
 from lm_resiliency.telemetry import EventLog
 
@@ -131,17 +131,14 @@ class Scout:
         self.blocks = partition(self.model)
         self.channel = Channel(self.groups, rank=self.rank, timeout_s=config.timeout_s)
         self.is_source = self.channel.source == self.rank
-        keep = config.max_int_input_bytes
         recorders: list[Recorder] = []
         self.recorder = self.dynamic_recorder = None
         if self.is_source:
-            self.recorder = Recorder(
-                [b.module for b in self.blocks], keep_int_bytes=keep, count_distinct=False
-            )
+            self.recorder = Recorder([b.module for b in self.blocks], count_distinct=False)
             recorders.append(self.recorder)
             if dyn_on and dynamic is not None:
                 self.dynamic_recorder = Recorder(
-                    dynamic.modules, keep_int_bytes=keep, count_distinct=dynamic.shapes is None
+                    dynamic.modules, count_distinct=dynamic.shapes is None
                 )
                 recorders.append(self.dynamic_recorder)
         self.dynamic = dynamic if dyn_on else None
@@ -157,6 +154,7 @@ class Scout:
         self.fingerprint = config_fingerprint(self.model, structure_fingerprint(self.blocks))
         self._agree_fingerprint()
         self._seq = 0
+        self._pending: PendingSpec | None = None
         self._pending_capture: int | None = None
         n = len(self.groups.groups)
         self._progress = [0] * n
@@ -283,6 +281,9 @@ class Scout:
         self._closed = True
         if not self.config.enable:
             return
+        if self._pending is not None:
+            self._pending.result()  # every rank has the same broadcast in flight
+            self._pending = None
         for r in self.executor.recorders:
             r.remove()
         self.channel.close()
@@ -296,54 +297,57 @@ class Scout:
     def _disabled(self, step: int) -> ScoutResult:
         return ScoutResult(step=step, status=ScoutStatus.HEALTHY, reason="SCOUT disabled")
 
-    def _round(
-        self, step: int, doc: dict[str, Any] | None, blobs: list[bytes]
-    ) -> tuple[dict[str, Any], list[bytes], Executed, list[RankReport], float]:
-        t0 = time.perf_counter()
-        body = encode_spec(doc, blobs) if doc is not None else None
-        spec, spec_blobs = decode_spec(self.channel.broadcast_spec(body))
-        t1 = time.perf_counter()
-        done = self.executor.run(spec, spec_blobs)
-        t2 = time.perf_counter()
-        reports = self.channel.gather_reports(self._report(step, done))
-        check_consistent(reports, self.groups)
-        exchange = (t1 - t0) + (time.perf_counter() - t2)
-        return spec, spec_blobs, done, reports, exchange
+    def _spec(self, plan: Callable[[], dict[str, Any]]) -> PendingSpec:
+        """Collective in the group: the source plans (``plan``) and broadcasts a spec."""
+        return self.channel.send_spec(plan() if self.is_source else None)
 
-    def _report(self, step: int, done: Executed) -> RankReport:
-        return RankReport(self._seq, step, self.fingerprint, self.latched is not None, done.reports)
+    def _next_regular_spec(self) -> PendingSpec:
+        """Plan the next regular check's spec now; it travels while training runs."""
+        gi = self.groups.index_of(self.rank)
+        enabled = {n for n, every in self.intervals.items() if every is not None}
+        seq = self._seq + 1
+        return self._spec(
+            lambda: self.planner.plan(seq=seq, classes=enabled, progress=self._progress[gi])
+        )
 
     def _exchange(
-        self, step: int, plan: Callable[[], tuple[dict[str, Any], list[bytes]]]
+        self, step: int, spec: dict[str, Any], classes: set[str]
     ) -> tuple[Assessment, Executed, list[RankReport], dict[str, float], bool]:
-        self._seq += 1
-        doc, blobs = plan() if self.is_source else (None, [])
-        spec, spec_blobs, done, first, exchange = self._round(step, doc, blobs)
-        replay_s = sum(c.seconds for c in done.reports)
+        """Replay ``spec`` (its ``classes``), all-gather the reports, re-run on anomalies."""
+        t0 = time.perf_counter()
+        done = self.executor.run(spec, classes)
+        t1 = time.perf_counter()
+        first = self.channel.gather_reports(self._report(step, done))
+        check_consistent(first, self.groups)
+        exchange = time.perf_counter() - t1
+        replay_s = t1 - t0
         a = assess(first, self.groups, self.rule)
         rerun = a.anomalies()
         if rerun:
-            again = self.executor.run(spec, spec_blobs)
-            t = time.perf_counter()
+            t2 = time.perf_counter()
+            again = self.executor.run(spec, classes)
+            t3 = time.perf_counter()
             second = self.channel.gather_reports(self._report(step, again))
-            exchange += time.perf_counter() - t
-            replay_s += sum(c.seconds for c in again.reports)
+            exchange += time.perf_counter() - t3
+            replay_s += t3 - t2
             a = assess(first, self.groups, self.rule, second)
         for cls, text in done.errors.items():
             log.warning("rank %d: SCOUT %s replay failed: %s", self.rank, cls, text)
         return a, done, first, {"replay": replay_s, "exchange": exchange}, rerun
 
+    def _report(self, step: int, done: Executed) -> RankReport:
+        return RankReport(self._seq, step, self.fingerprint, self.latched is not None, done.reports)
+
     def _check(self, step: int, classes: set[str]) -> ScoutResult:
         t0 = time.perf_counter()
         bytes0 = self.channel.bytes_exchanged
-        gi = self.groups.index_of(self.rank)
-
-        def plan() -> tuple[dict[str, Any], list[bytes]]:
-            return self.planner.plan(
-                seq=self._seq, step=step, classes=classes, progress=self._progress[gi]
-            )
-
-        a, done, reports, timings, rerun = self._exchange(step, plan)
+        pending = self._pending if self._pending is not None else self._next_regular_spec()
+        self._pending = None
+        self._seq += 1
+        spec = pending.result()
+        wait_s = time.perf_counter() - t0
+        a, done, reports, timings, rerun = self._exchange(step, spec, classes)
+        timings["exchange"] += wait_s
         self._learn(a, reports)
         corrupt = bool(a.outcomes(Outcome.SDC) or a.outcomes(Outcome.INCONCLUSIVE))
         cycle = self._advance_cycles(a, reports, corrupt) if "dynamic" in classes else False
@@ -353,6 +357,7 @@ class Scout:
         )
         if self.latched is not None and result.capture_allowed:
             result = _replace_capture(result, self.latched)
+        self._pending = self._next_regular_spec()
         return self._record(result)
 
     def _sweep(self, step: int, classes: set[str]) -> ScoutResult:
@@ -365,13 +370,14 @@ class Scout:
         worst: ScoutResult | None = None
         timings = {"replay": 0.0, "exchange": 0.0}
         while r < rounds:
+            self._seq += 1
+            seq, round_ = self._seq, r
 
-            def plan(round_: int = r) -> tuple[dict[str, Any], list[bytes]]:
-                return self.planner.plan_sweep(
-                    seq=self._seq, step=step, round_=round_, classes=classes
-                )
+            def plan(seq: int = seq, round_: int = round_) -> dict[str, Any]:
+                return self.planner.plan_sweep(seq=seq, round_=round_, classes=classes)
 
-            a, done, reports, t, rerun = self._exchange(step, plan)
+            spec = self._spec(plan).result()
+            a, done, reports, t, rerun = self._exchange(step, spec, classes)
             self._learn(a, reports)
             if r == 0 and "dynamic" in classes:
                 sizes = [reports[g[0]].of("dynamic").extra for g in self.groups.groups]
@@ -528,11 +534,14 @@ class Scout:
 
     def _record(self, result: ScoutResult) -> ScoutResult:
         self.last_result = result
-        event = result.to_event()
-        if self.events is not None:
-            self.events.log(CHECK_EVENT, **event)
         level = logging.WARNING if result.status is not ScoutStatus.HEALTHY else logging.DEBUG
-        log.log(level, "%s %s", CHECK_EVENT, json.dumps({"rank": self.rank, **event}))
+        wanted = log.isEnabledFor(level)
+        if self.events is not None or wanted:
+            event = result.to_event()
+            if self.events is not None:
+                self.events.log(CHECK_EVENT, **event)
+            if wanted:
+                log.log(level, "%s %s", CHECK_EVENT, json.dumps({"rank": self.rank, **event}))
         return result
 
 

@@ -2,13 +2,15 @@
 
 A forward pre-hook on each block notes, per call, the structure of its
 arguments: tensor shapes, dtypes and whether they require grad, plain scalars by
-value, and the autocast state. Only integer tensors (token ids, positions) up to
-a size bound are kept by reference, so the source peer can broadcast the exact
-values; floating-point inputs are never kept (replays use seeded synthetic
-values of the recorded shape). The hook does no device work and no copy.
+value, and the autocast state. The hook does no device work and copies nothing;
+it keeps a reference to the latest *integer* tensors only (token ids,
+positions), so the source peer can read their value range when it plans a
+replay. Floating-point inputs are never kept.
 
-Signatures travel between peers as JSON plus the raw bytes of kept integer
-tensors (:func:`encode` / :func:`decode`); no pickle.
+Replays use seeded synthetic values of the recorded shapes: normal values for
+floating point, uniform integers in the recorded ``[low, high)`` range (clipped
+at 0, so ids index what they indexed), uniform booleans. Signatures travel
+between peers as JSON (no pickle, no tensor bytes).
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ MAX_DISTINCT = 64
 
 @dataclass(frozen=True)
 class TensorArg:
-    """A tensor argument: its shape, dtype, whether it required grad, kept integer values."""
+    """A tensor argument: shape, dtype, whether it required grad, and for integers a range."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
-    data: torch.Tensor | None = field(default=None, compare=False, hash=False)
-    """Integer values kept by the source peer (``None``: zeros of the shape are replayed)."""
+    int_range: tuple[int, int] | None = None
+    """``[low, high)`` of integer values to replay (``None``: zeros; set by :func:`encode`)."""
+    ref: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
+    """The source's latest integer tensor (local only, read when the spec is encoded)."""
 
     @property
     def floating(self) -> bool:
@@ -67,8 +71,8 @@ class CallSignature:
     """``(enabled, dtype name)`` of autocast for the block's device type at the call."""
 
     def key(self) -> str:
-        """A stable text key of the signature without kept values (equal calls, equal keys)."""
-        return json.dumps(_to_json(self, None), sort_keys=True)
+        """A stable text key of the signature's structure (equal calls, equal keys)."""
+        return json.dumps(_to_json(self, ranges=False), sort_keys=True)
 
     def tensors(self) -> list[TensorArg]:
         """Every tensor argument, in argument order."""
@@ -90,30 +94,28 @@ def _collect(spec: ArgSpec, out: list[TensorArg]) -> None:
             _collect(item, out)
 
 
-def _describe(value: Any, keep_int_bytes: int, depth: int = 0) -> ArgSpec:
+def _describe(value: Any, depth: int = 0) -> ArgSpec:
     if isinstance(value, torch.Tensor):
-        data = None
-        integer = not value.dtype.is_floating_point and not value.dtype.is_complex
-        if integer and value.numel() * value.element_size() <= keep_int_bytes:
-            data = value.detach()
-        return TensorArg(tuple(value.shape), value.dtype, bool(value.requires_grad), data)
+        integer = not (value.dtype.is_floating_point or value.dtype.is_complex)
+        ref = value.detach() if integer and value.dtype != torch.bool else None
+        return TensorArg(tuple(value.shape), value.dtype, bool(value.requires_grad), None, ref)
     if value is None or isinstance(value, _SCALARS):
         return Scalar(value)
     if isinstance(value, (tuple, list)) and depth < _MAX_DEPTH:
         kind = "list" if isinstance(value, list) else "tuple"
-        return Seq(tuple(_describe(v, keep_int_bytes, depth + 1) for v in value), kind)
+        return Seq(tuple(_describe(v, depth + 1) for v in value), kind)
     raise UnsupportedCall(f"argument of type {type(value).__name__} cannot be replayed")
 
 
 def describe_call(
-    args: tuple[Any, ...], kwargs: dict[str, Any], *, device_type: str, keep_int_bytes: int
+    args: tuple[Any, ...], kwargs: dict[str, Any], *, device_type: str
 ) -> CallSignature:
     """The signature of one call (raises :class:`UnsupportedCall`)."""
     enabled = torch.is_autocast_enabled(device_type)
     dtype = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
     return CallSignature(
-        tuple(_describe(a, keep_int_bytes) for a in args),
-        tuple((k, _describe(v, keep_int_bytes)) for k, v in sorted(kwargs.items())),
+        tuple(_describe(a) for a in args),
+        tuple((k, _describe(v)) for k, v in sorted(kwargs.items())),
         (bool(enabled), dtype),
     )
 
@@ -122,16 +124,14 @@ class Recorder:
     """Forward pre-hooks on modules that note each call's :class:`CallSignature`.
 
     ``last[i]`` is module ``i``'s most recent signature (``None`` until it runs,
-    or an :class:`UnsupportedCall` message), ``counts[i]`` how often each
-    distinct signature key was seen (bounded). :meth:`paused` stops recording
-    while SCOUT replays through the same hooks.
+    or an :class:`UnsupportedCall` message); with ``count_distinct``,
+    ``counts[i]`` counts each distinct signature key (bounded) and
+    ``examples[i]`` keeps one signature per key. ``paused`` stops recording
+    (SCOUT sets it while it replays through the same hooks).
     """
 
-    def __init__(
-        self, modules: Iterable[nn.Module], *, keep_int_bytes: int, count_distinct: bool
-    ) -> None:
+    def __init__(self, modules: Iterable[nn.Module], *, count_distinct: bool) -> None:
         self.modules = list(modules)
-        self.keep_int_bytes = keep_int_bytes
         self.count_distinct = count_distinct
         self.last: list[CallSignature | str | None] = [None] * len(self.modules)
         self.counts: list[Counter[str]] = [Counter() for _ in self.modules]
@@ -143,16 +143,13 @@ class Recorder:
         ]
 
     def _hook(self, index: int) -> Any:
-        module = self.modules[index]
-        device_type = _device_type(module)
+        device_type = _device_type(self.modules[index])
 
         def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self.paused:
                 return
             try:
-                sig = describe_call(
-                    args, kwargs, device_type=device_type, keep_int_bytes=self.keep_int_bytes
-                )
+                sig = describe_call(args, kwargs, device_type=device_type)
             except UnsupportedCall as exc:
                 self.last[index] = str(exc)
                 return
@@ -188,7 +185,17 @@ def _device_type(module: nn.Module) -> str:
 # -- wire form ------------------------------------------------------------------------
 
 
-def _spec_json(spec: ArgSpec, blobs: list[bytes] | None) -> Any:
+def _int_range(ref: torch.Tensor | None) -> tuple[int, int] | None:
+    if ref is None or ref.numel() == 0:
+        return None
+    with torch.no_grad():
+        lo, hi = int(ref.min()), int(ref.max())
+    if hi < 0:
+        return None  # nothing non-negative to imitate: replay zeros
+    return max(lo, 0), hi + 1
+
+
+def _spec_json(spec: ArgSpec, ranges: bool) -> Any:
     if isinstance(spec, TensorArg):
         doc: dict[str, Any] = {
             "k": "t",
@@ -196,28 +203,26 @@ def _spec_json(spec: ArgSpec, blobs: list[bytes] | None) -> Any:
             "dtype": str(spec.dtype).removeprefix("torch."),
             "rg": spec.requires_grad,
         }
-        if blobs is not None and spec.data is not None:
-            raw = spec.data.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-            doc["data"] = len(blobs)
-            blobs.append(raw)
+        if ranges:
+            found = spec.int_range if spec.ref is None else _int_range(spec.ref)
+            doc["range"] = None if found is None else list(found)
         return doc
     if isinstance(spec, Scalar):
         return {"k": "v", "v": spec.value}
-    return {"k": "s", "kind": spec.kind, "items": [_spec_json(i, blobs) for i in spec.items]}
+    return {"k": "s", "kind": spec.kind, "items": [_spec_json(i, ranges) for i in spec.items]}
 
 
-def _to_json(sig: CallSignature, blobs: list[bytes] | None) -> dict[str, Any]:
+def _to_json(sig: CallSignature, *, ranges: bool) -> dict[str, Any]:
     return {
-        "args": [_spec_json(a, blobs) for a in sig.args],
-        "kwargs": [[k, _spec_json(v, blobs)] for k, v in sig.kwargs],
+        "args": [_spec_json(a, ranges) for a in sig.args],
+        "kwargs": [[k, _spec_json(v, ranges)] for k, v in sig.kwargs],
         "autocast": list(sig.autocast),
     }
 
 
-def encode(sig: CallSignature) -> tuple[dict[str, Any], list[bytes]]:
-    """JSON document and the raw bytes of kept integer tensors (indexed by ``data``)."""
-    blobs: list[bytes] = []
-    return _to_json(sig, blobs), blobs
+def encode(sig: CallSignature) -> dict[str, Any]:
+    """The JSON form of ``sig``, integer ranges read from the kept tensors (may synchronize)."""
+    return _to_json(sig, ranges=True)
 
 
 def _dtype(name: Any) -> torch.dtype:
@@ -227,28 +232,26 @@ def _dtype(name: Any) -> torch.dtype:
     return value
 
 
-def _spec_from(doc: Any, blobs: list[bytes]) -> ArgSpec:
+def _spec_from(doc: Any) -> ArgSpec:
     kind = doc["k"]
     if kind == "t":
-        dtype = _dtype(doc["dtype"])
-        shape = tuple(int(s) for s in doc["shape"])
-        data = None
-        if doc.get("data") is not None:
-            raw = bytearray(blobs[int(doc["data"])])
-            data = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
-        return TensorArg(shape, dtype, bool(doc["rg"]), data)
+        found = doc.get("range")
+        rng = None if found is None else (int(found[0]), int(found[1]))
+        return TensorArg(
+            tuple(int(s) for s in doc["shape"]), _dtype(doc["dtype"]), bool(doc["rg"]), rng
+        )
     if kind == "v":
         return Scalar(doc["v"])
     if kind == "s":
-        return Seq(tuple(_spec_from(i, blobs) for i in doc["items"]), str(doc["kind"]))
+        return Seq(tuple(_spec_from(i) for i in doc["items"]), str(doc["kind"]))
     raise ValueError(f"unknown argument kind {kind!r} in a replay signature")
 
 
-def decode(doc: dict[str, Any], blobs: list[bytes]) -> CallSignature:
+def decode(doc: dict[str, Any]) -> CallSignature:
     """The inverse of :func:`encode`."""
     enabled, dtype = doc["autocast"]
     return CallSignature(
-        tuple(_spec_from(a, blobs) for a in doc["args"]),
-        tuple((str(k), _spec_from(v, blobs)) for k, v in doc["kwargs"]),
+        tuple(_spec_from(a) for a in doc["args"]),
+        tuple((str(k), _spec_from(v)) for k, v in doc["kwargs"]),
         (bool(enabled), str(dtype)),
     )

@@ -3,9 +3,10 @@
 Both run on private CPU Gloo groups that SCOUT creates (so they work beside an
 NCCL training group and never interleave with the training's collectives):
 
-* ``broadcast_spec``: the comparison group's source peer sends the replay spec
-  (a JSON document plus the bytes of kept integer inputs) to its group: a
-  fixed 8-byte length, then the body, as ``uint8`` tensors;
+* ``send_spec``: the comparison group's source peer sends the replay spec (a
+  JSON document) to its group in one fixed-size ``uint8`` broadcast that runs in
+  the background (a spec longer than :data:`SPEC_BYTES` sends its rest in a
+  second, synchronous broadcast);
 * ``gather_reports``: every rank's fixed-size :class:`RankReport` (144 bytes)
   is all-gathered over the whole job. Every rank then evaluates every group from
   the same bytes, so this single exchange is also the job-wide agreement
@@ -93,24 +94,40 @@ class RankReport:
         return self.classes[CLASSES.index(name)]
 
 
-def encode_spec(doc: dict[str, Any], blobs: list[bytes]) -> bytes:
-    """A spec body: 4-byte JSON length, the JSON, then the blobs (lengths in the JSON)."""
-    full = {**doc, "blobs": [len(b) for b in blobs]}
-    text = json.dumps(full, separators=(",", ":")).encode()
-    return struct.pack("<I", len(text)) + text + b"".join(blobs)
+#: Bytes of the fixed spec broadcast; a longer spec sends the rest in a second broadcast.
+SPEC_BYTES = 4096
 
 
-def decode_spec(body: bytes) -> tuple[dict[str, Any], list[bytes]]:
-    (n,) = struct.unpack_from("<I", body, 0)
-    doc: dict[str, Any] = json.loads(body[4 : 4 + n].decode())
-    blobs = []
-    at = 4 + n
-    for size in doc.pop("blobs"):
-        blobs.append(body[at : at + size])
-        at += size
-    if at != len(body):
-        raise ResiliencyError(f"SCOUT spec of {len(body)} bytes has {len(body) - at} stray bytes")
-    return doc, blobs
+class PendingSpec:
+    """A spec broadcast in flight (started with :meth:`Channel.send_spec`)."""
+
+    def __init__(
+        self, channel: Channel, buf: torch.Tensor, work: Any, overflow: bytes | None
+    ) -> None:
+        self._channel, self._buf, self._work, self._overflow = channel, buf, work, overflow
+        self._doc: dict[str, Any] | None = None
+
+    def result(self) -> dict[str, Any]:
+        """Collective (in the group) only when the spec overflowed; the decoded JSON."""
+        if self._doc is not None:
+            return self._doc
+        self._work.wait()
+        self._channel.bytes_exchanged += SPEC_BYTES  # counted for the check that uses it
+        raw = bytes(self._buf.numpy().tobytes())
+        (n,) = struct.unpack_from("<I", raw, 0)
+        body = raw[4 : 4 + min(n, SPEC_BYTES - 4)]
+        if n > SPEC_BYTES - 4:
+            rest = n - (SPEC_BYTES - 4)
+            if self._overflow is not None:
+                extra = torch.frombuffer(bytearray(self._overflow), dtype=torch.uint8)
+            else:
+                extra = torch.empty(rest, dtype=torch.uint8)
+            ch = self._channel
+            dist.broadcast(extra, src=ch.source, group=ch.group)
+            ch.bytes_exchanged += rest
+            body += bytes(extra.numpy().tobytes())
+        self._doc = json.loads(body.decode())
+        return self._doc
 
 
 class Channel:
@@ -135,22 +152,24 @@ class Channel:
             self.group = mine
         self.bytes_exchanged = 0
 
-    def broadcast_spec(self, body: bytes | None) -> bytes:
-        """Collective in the comparison group: the source's ``body`` on every member."""
+    def send_spec(self, doc: dict[str, Any] | None) -> PendingSpec:
+        """Collective in the comparison group: start broadcasting the source's ``doc``.
+
+        Returns at once (the broadcast runs on Gloo's threads); ``result()`` on the
+        returned handle gives the spec on every member.
+        """
         is_source = self.rank == self.source
-        if is_source and body is None:
-            raise ResiliencyError("the source peer must provide a spec to broadcast")
-        size = torch.tensor([len(body) if is_source and body is not None else 0], dtype=torch.int64)
-        dist.broadcast(size, src=self.source, group=self.group)
-        n = int(size.item())
-        if is_source and body is not None:
-            buf = torch.frombuffer(bytearray(body), dtype=torch.uint8)
-        else:
-            buf = torch.empty(n, dtype=torch.uint8)
-        if n:
-            dist.broadcast(buf, src=self.source, group=self.group)
-        self.bytes_exchanged += 8 + n
-        return bytes(buf.numpy().tobytes())
+        buf = torch.zeros(SPEC_BYTES, dtype=torch.uint8)
+        overflow = None
+        if is_source:
+            if doc is None:
+                raise ResiliencyError("the source peer must provide a spec to broadcast")
+            text = json.dumps(doc, separators=(",", ":")).encode()
+            head = struct.pack("<I", len(text)) + text[: SPEC_BYTES - 4]
+            buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            overflow = text[SPEC_BYTES - 4 :] or None
+        work = dist.broadcast(buf, src=self.source, group=self.group, async_op=True)
+        return PendingSpec(self, buf, work, overflow)
 
     def gather_reports(self, report: RankReport) -> list[RankReport]:
         """Collective over the whole job: every rank's report, in rank order."""
