@@ -52,13 +52,16 @@ def digest_tensors(tensors: Iterable[torch.Tensor | None]) -> int:
 
     Shapes and dtypes are part of the digest. All tensors must live on one device
     type; accelerator tensors are reduced on the device (see the module docstring).
+    A ``DTensor`` contributes its local shard.
     """
     h = hashlib.blake2b(digest_size=8)
     device_sums: list[torch.Tensor] = []
-    for t in tensors:
-        if t is None:
+    for item in tensors:
+        if item is None:
             h.update(b"none;")
             continue
+        local = getattr(item, "to_local", None)  # a DTensor (FSDP2): this rank's shard
+        t: torch.Tensor = local() if callable(local) else item
         h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
         if t.device.type == "cpu":
             flat = t.detach().contiguous().reshape(-1)

@@ -134,7 +134,9 @@ class Scout:
         recorders: list[Recorder] = []
         self.recorder = self.dynamic_recorder = None
         if self.is_source:
-            self.recorder = Recorder([b.module for b in self.blocks], count_distinct=False)
+            self.recorder = Recorder(
+                [b.module for b in self.blocks], count_distinct=False, one_shot=True
+            )
             recorders.append(self.recorder)
             if dyn_on and dynamic is not None:
                 self.dynamic_recorder = Recorder(
@@ -358,6 +360,8 @@ class Scout:
         if self.latched is not None and result.capture_allowed:
             result = _replace_capture(result, self.latched)
         self._pending = self._next_regular_spec()
+        if self.recorder is not None:
+            self.recorder.rearm()  # fresh shapes from the next forward, for the check after
         return self._record(result)
 
     def _sweep(self, step: int, classes: set[str]) -> ScoutResult:

@@ -128,11 +128,20 @@ class Recorder:
     ``counts[i]`` counts each distinct signature key (bounded) and
     ``examples[i]`` keeps one signature per key. ``paused`` stops recording
     (SCOUT sets it while it replays through the same hooks).
+
+    With ``one_shot`` each module records its next call only, then its hook does
+    nothing until :meth:`rearm` (SCOUT rearms after every check: one signature
+    per block per check interval is all a replay needs, and the hooks cost the
+    training nothing in between).
     """
 
-    def __init__(self, modules: Iterable[nn.Module], *, count_distinct: bool) -> None:
+    def __init__(
+        self, modules: Iterable[nn.Module], *, count_distinct: bool, one_shot: bool = False
+    ) -> None:
         self.modules = list(modules)
         self.count_distinct = count_distinct
+        self.one_shot = one_shot
+        self.armed = [True] * len(self.modules)
         self.last: list[CallSignature | str | None] = [None] * len(self.modules)
         self.counts: list[Counter[str]] = [Counter() for _ in self.modules]
         self.examples: list[dict[str, CallSignature]] = [{} for _ in self.modules]
@@ -146,8 +155,10 @@ class Recorder:
         device_type = _device_type(self.modules[index])
 
         def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self.paused:
+            if self.paused or not self.armed[index]:
                 return
+            if self.one_shot:
+                self.armed[index] = False
             try:
                 sig = describe_call(args, kwargs, device_type=device_type)
             except UnsupportedCall as exc:
@@ -162,6 +173,10 @@ class Recorder:
                     self.examples[index].setdefault(key, sig)
 
         return hook
+
+    def rearm(self) -> None:
+        """Record each module's next call again (``one_shot`` recorders)."""
+        self.armed = [True] * len(self.modules)
 
     def signature(self, index: int) -> CallSignature | None:
         """Module ``index``'s most recent replayable signature, or ``None``."""
