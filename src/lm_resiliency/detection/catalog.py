@@ -18,7 +18,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lm_resiliency.detection.assess import Assessment
+from lm_resiliency.detection.groups import ComparisonGroups
 from lm_resiliency.detection.signature import CallSignature, Recorder, TensorArg
+from lm_resiliency.detection.verdict import Outcome
+from lm_resiliency.detection.wire import RankReport
 from lm_resiliency.errors import ConfigError
 
 
@@ -75,3 +79,39 @@ class DynamicCatalog:
                 examples.setdefault(key, sig)
         ranked = sorted(merged.items(), key=lambda kv: (-kv[1], kv[0]))
         return [examples[k] for k, _ in ranked[: self.max_recipes]]
+
+
+class Cycles:
+    """Every group's progress through its dynamic catalog, mirrored on every rank.
+
+    Updated from the all-gathered reports only, so every rank holds the same
+    state: a group advances when its check of the expected recipe ``k`` was
+    clean; a group's cycle is done after its K-th; a cycle is complete job-wide
+    when every group is done (then all start over). Any SDC or inconclusive
+    comparison anywhere resets every group.
+    """
+
+    def __init__(self, groups: ComparisonGroups) -> None:
+        self.groups = groups
+        self.progress = [0] * len(groups.groups)
+        """Per group: the index of the next recipe its cycle needs."""
+        self.done = [False] * len(groups.groups)
+
+    def advance(self, a: Assessment, reports: list[RankReport], corrupt: bool) -> bool:
+        """Apply one check; True when a cycle completed job-wide at this check."""
+        if corrupt:
+            self.progress = [0] * len(self.progress)
+            self.done = [False] * len(self.done)
+            return False
+        for gi, ranks in enumerate(self.groups.groups):
+            c = reports[ranks[0]].of("dynamic")
+            clean = a.verdicts[(gi, "dynamic")].outcome is Outcome.CLEAN
+            if clean and c.recipe == self.progress[gi]:
+                self.progress[gi] += 1
+                if self.progress[gi] >= c.extra:
+                    self.progress[gi] = 0
+                    self.done[gi] = True
+        if all(self.done):
+            self.done = [False] * len(self.done)
+            return True
+        return False

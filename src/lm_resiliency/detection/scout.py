@@ -27,23 +27,23 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lm_resiliency.detection.assess import Assessment, assess, check_consistent, describe_groups
+from lm_resiliency.detection.assess import Assessment, assess, check_consistent
 from lm_resiliency.detection.blocks import partition, structure_fingerprint, uncovered_params
-from lm_resiliency.detection.catalog import DynamicCatalog
+from lm_resiliency.detection.catalog import Cycles, DynamicCatalog
 from lm_resiliency.detection.certify import Certifier, TrustSink
+from lm_resiliency.detection.compose import blocked, compose, severity
 from lm_resiliency.detection.config import ScoutConfig
 from lm_resiliency.detection.execute import Executed, Executor
 from lm_resiliency.detection.fingerprint import config_fingerprint
 from lm_resiliency.detection.groups import ComparisonGroups
 from lm_resiliency.detection.planner import Planner
-from lm_resiliency.detection.result import CHECK_EVENT, ScoutResult, ScoutStatus, Straggler
+from lm_resiliency.detection.result import CHECK_EVENT, ScoutResult, ScoutStatus
 from lm_resiliency.detection.signature import Recorder
 from lm_resiliency.detection.verdict import Outcome, StragglerRule
 from lm_resiliency.detection.wire import Channel, PendingSpec, RankReport
@@ -158,9 +158,7 @@ class Scout:
         self._seq = 0
         self._pending: PendingSpec | None = None
         self._pending_capture: int | None = None
-        n = len(self.groups.groups)
-        self._progress = [0] * n
-        self._done = [False] * n
+        self.cycles = Cycles(self.groups)
         self._nondeterministic: Counter[int] = Counter()
         if self.rank == 0:
             log.info(
@@ -309,7 +307,7 @@ class Scout:
         enabled = {n for n, every in self.intervals.items() if every is not None}
         seq = self._seq + 1
         return self._spec(
-            lambda: self.planner.plan(seq=seq, classes=enabled, progress=self._progress[gi])
+            lambda: self.planner.plan(seq=seq, classes=enabled, progress=self.cycles.progress[gi])
         )
 
     def _exchange(
@@ -352,13 +350,22 @@ class Scout:
         timings["exchange"] += wait_s
         self._learn(a, reports)
         corrupt = bool(a.outcomes(Outcome.SDC) or a.outcomes(Outcome.INCONCLUSIVE))
-        cycle = self._advance_cycles(a, reports, corrupt) if "dynamic" in classes else False
-        result = self._result(step, a, done, timings, rerun, cycle, bytes0, t0)
+        cycle = self.cycles.advance(a, reports, corrupt) if "dynamic" in classes else False
+        result = compose(
+            step,
+            a,
+            self.groups,
+            labels=done.labels,
+            timings={**timings, "total": time.perf_counter() - t0},
+            bytes_exchanged=self.channel.bytes_exchanged - bytes0,
+            rerun=rerun,
+            cycle=cycle,
+        )
         self.certifier.observe(
             step, corrupt=result.status.corrupt, reason=result.reason, cycle_complete=cycle
         )
         if self.latched is not None and result.capture_allowed:
-            result = _replace_capture(result, self.latched)
+            result = blocked(result, self.latched)
         self._pending = self._next_regular_spec()
         if self.recorder is not None:
             self.recorder.rearm()  # fresh shapes from the next forward, for the check after
@@ -402,8 +409,17 @@ class Scout:
                 for name in wanted:
                     if a.verdicts[(gi, name)].outcome is not Outcome.CLEAN:
                         missing.append(f"group {gi} {name} round {r}")
-            res = self._result(step, a, done, t, rerun, False, bytes0, t0)
-            if worst is None or _severity(res.status) > _severity(worst.status):
+            res = compose(
+                step,
+                a,
+                self.groups,
+                labels=done.labels,
+                timings=t,
+                bytes_exchanged=0,
+                rerun=rerun,
+                cycle=False,
+            )
+            if worst is None or severity(res.status) > severity(worst.status):
                 worst = res
             r += 1
         assert worst is not None
@@ -455,87 +471,6 @@ class Scout:
                 "SCOUT no longer replays block %d (%s): %s", block, self.blocks[block].label, why
             )
 
-    def _advance_cycles(self, a: Assessment, reports: list[RankReport], corrupt: bool) -> bool:
-        """Mirror every group's cycle progress; True when a cycle completed job-wide."""
-        if corrupt:
-            self._progress = [0] * len(self._progress)
-            self._done = [False] * len(self._done)
-            return False
-        for gi, ranks in enumerate(self.groups.groups):
-            c = reports[ranks[0]].of("dynamic")
-            if (
-                a.verdicts[(gi, "dynamic")].outcome is Outcome.CLEAN
-                and c.recipe == self._progress[gi]
-            ):
-                self._progress[gi] += 1
-                if self._progress[gi] >= c.extra:
-                    self._progress[gi] = 0
-                    self._done[gi] = True
-        if all(self._done):
-            self._done = [False] * len(self._done)
-            return True
-        return False
-
-    def _result(
-        self,
-        step: int,
-        a: Assessment,
-        done: Executed,
-        timings: dict[str, float],
-        rerun: bool,
-        cycle: bool,
-        bytes0: int,
-        t0: float,
-    ) -> ScoutResult:
-        groups = self.groups.groups
-        sdc = a.outcomes(Outcome.SDC)
-        inconclusive = a.outcomes(Outcome.INCONCLUSIVE)
-        stragglers = tuple(
-            Straggler(rank, round(s, 3), t, med) for rank, (s, t, med) in sorted(a.suspects.items())
-        )
-        reasons: list[str] = []
-        for gi, name in sdc:
-            v = a.verdicts[(gi, name)]
-            reasons.append(
-                f"group {list(groups[gi])} {name}: SDC on ranks {list(v.faulty)} ({v.detail})"
-            )
-        for gi, name in inconclusive:
-            v = a.verdicts[(gi, name)]
-            reasons.append(f"group {list(groups[gi])} {name}: inconclusive ({v.detail})")
-        evidence = all(
-            any(
-                a.verdicts[(gi, n)].outcome is Outcome.CLEAN
-                for n in ("dense", "optimizer", "dynamic")
-            )
-            for gi in range(len(groups))
-        )
-        if sdc:
-            status = ScoutStatus.SDC
-        elif inconclusive:
-            status = ScoutStatus.INCONCLUSIVE
-        elif stragglers:
-            status = ScoutStatus.STRAGGLER
-        else:
-            status = ScoutStatus.HEALTHY
-        if not evidence and not status.corrupt:
-            reasons.append("no recipe produced evidence in some group: the capture waits")
-        for gi, name in a.outcomes(Outcome.NONDETERMINISTIC):
-            reasons.append(f"group {list(groups[gi])} {name}: {a.verdicts[(gi, name)].detail}")
-        return ScoutResult(
-            step=step,
-            status=status,
-            faulty_ranks=a.faulty(),
-            stragglers=stragglers,
-            recipe=" ".join(done.labels),
-            timings={**timings, "total": time.perf_counter() - t0},
-            bytes_exchanged=self.channel.bytes_exchanged - bytes0,
-            capture_allowed=evidence and not status.corrupt,
-            reason="; ".join(reasons),
-            rerun=rerun,
-            complete_cycle=cycle,
-            groups=describe_groups(a, self.groups),
-        )
-
     def _record(self, result: ScoutResult) -> ScoutResult:
         self.last_result = result
         level = logging.WARNING if result.status is not ScoutStatus.HEALTHY else logging.DEBUG
@@ -547,13 +482,3 @@ class Scout:
             if wanted:
                 log.log(level, "%s %s", CHECK_EVENT, json.dumps({"rank": self.rank, **event}))
         return result
-
-
-def _severity(status: ScoutStatus) -> int:
-    order = [ScoutStatus.HEALTHY, ScoutStatus.STRAGGLER, ScoutStatus.INCONCLUSIVE, ScoutStatus.SDC]
-    return order.index(status)
-
-
-def _replace_capture(result: ScoutResult, why: str) -> ScoutResult:
-    reason = f"{result.reason}; " if result.reason else ""
-    return replace(result, capture_allowed=False, reason=f"{reason}latched: {why}")
