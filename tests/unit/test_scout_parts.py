@@ -349,3 +349,21 @@ def test_bit_flip_fires_once_after_its_step_and_needs_arming() -> None:
         opt.step()
     changed = (lin.weight.detach() != before).nonzero().tolist()
     assert changed == [[1, 1]] and faults.fired == [("bit_flip", 2)]
+
+
+# -- the component without a process group ------------------------------------------------
+
+
+def test_a_disabled_scout_permits_every_capture_and_an_enabled_one_needs_a_process_group() -> None:
+    from lm_resiliency.detection import Scout
+
+    model = nn.Linear(3, 3)
+    off = Scout(ScoutConfig(enable=False), model)
+    assert off.before_capture(10) and off.check(10).status is ScoutStatus.HEALTHY
+    off.after_capture(10)
+    assert off.maybe_check(10) is None and off.latched is None
+    off.close()
+    with pytest.raises(ConfigError, match=r"call torch\.distributed\.init_process_group"):
+        Scout(ScoutConfig(), model)
+    with pytest.raises(ConfigError, match="interval=0 must be a positive int"):
+        Scout(ScoutConfig(enable=False), model, interval=0)
