@@ -158,6 +158,7 @@ class Scout:
         self._seq = 0
         self._pending: PendingSpec | None = None
         self._pending_capture: int | None = None
+        self._last_check: ScoutResult | None = None  # regular checks only (not sweeps)
         self.cycles = Cycles(self.groups)
         self._nondeterministic: Counter[int] = Counter()
         if self.rank == 0:
@@ -220,7 +221,7 @@ class Scout:
         self._check_open()
         if not self.config.enable:
             return True
-        last = self.last_result
+        last = self._last_check
         result = last if last is not None and last.step == step else self.check(step)
         self._pending_capture = step if result.capture_allowed else None
         return result.capture_allowed
@@ -369,6 +370,7 @@ class Scout:
         self._pending = self._next_regular_spec()
         if self.recorder is not None:
             self.recorder.rearm()  # fresh shapes from the next forward, for the check after
+        self._last_check = result
         return self._record(result)
 
     def _sweep(self, step: int, classes: set[str]) -> ScoutResult:
