@@ -24,13 +24,23 @@ printed for reference (ratios use the pre-faulted, stricter ones). The incumbent
 (``no_dist=True``), loading in place. Files are evicted from the page cache
 (``posix_fadvise(DONTNEED)``) before every timed read, ours, raw and DCP alike.
 
+Restart from memory in a *new process*: one process captures the state into
+memory slots on /dev/shm (and persists it) and exits without closing, as a
+crashed worker does; a second, new process builds a manager (which re-attaches
+to the slot files and validates them: identity, layout, state word, record
+CRC), calls ``find_latest()`` and ``load()`` (a hand-over of the mapping, no
+copy). The same new-process restore from own disk (page cache evicted), a raw
+read of a file of the same size and DCP ``load`` are measured in the same run.
+
 Also runs the demo's faulty torchrun job once (4 workers) and reports its
 end-to-end recovery time in phases (detection, restart, startup, agreement, load).
 
 Run: ``python benchmarks/recovery.py`` (``--size-mib 256`` for a quick look,
-``--skip-demo``). Needs ~6x the size in free memory per rank. Prints a table and
-one JSON line. Targets: each of our paths >= 70 % of its limit; from memory
->= 10x faster than DCP load.
+``--skip-demo``, ``--only-new-process``). Needs ~6x the size in free memory per
+rank. Prints a table and one JSON line. Targets: each of our paths >= 70 % of
+its limit; from memory >= 10x faster than DCP load; a new process restoring from
+memory >= 10x faster than from own disk and >= 20x faster than DCP load, with
+attach + validate <= 50 ms/GiB (no CRC).
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -278,6 +290,143 @@ def _demo_recovery(timeout_s: float) -> dict[str, Any] | None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _child(mode: str, size_mib: int, root: str) -> None:
+    """One new process of the restart benchmark; prints one JSON line."""
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    memory = None if mode == "disk" else str(Path(root) / "shm")
+    config = InMemoryCkptConfig(
+        interval=1,
+        disk_flush_interval=1,
+        disk_folder=str(Path(root) / "disk"),
+        memory_folder=memory,
+        run_id="bench-restart",
+        signal_flush=False,
+        pin_memory=False,
+    )
+    if mode == "capture":
+        manager = InMemoryCheckpointManager(config)
+        manager.save(_state(size_mib * MIB, seed=7), 1)
+        manager.wait_persisted()
+        manager._stop_threads()  # leave without close(): the slots stay, as after a crash
+        print(json.dumps({"captured": True}))
+        return
+    for f in Path(root, "disk").rglob("*.safetensors"):
+        _evict(f)
+    manager = InMemoryCheckpointManager(config)
+    t1 = time.perf_counter()
+    step = manager.find_latest()
+    t2 = time.perf_counter()
+    loaded = manager.load(step)
+    t3 = time.perf_counter()
+    if step == 1:
+        _check_equal(loaded, _state(size_mib * MIB, seed=7), f"a new process ({mode})")
+    assert manager.last_recovery is not None
+    manager.close(finished=False)
+    print(json.dumps({
+        "construct_s": t1 - t0, "find_latest_s": t2 - t1, "load_s": t3 - t2,
+        "restore_s": t3 - t0, "sources": manager.last_recovery.sources,
+    }))  # fmt: skip
+
+
+def _run_child(mode: str, size_mib: int, root: Path) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", mode, "--size-mib", str(size_mib), str(root)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"child {mode} failed:\n{done.stderr}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _new_process(size_mib: int, repeats: int) -> dict[str, Any]:
+    """Restart from memory vs own disk vs raw read vs DCP load, each in a fresh process."""
+    nbytes = size_mib * MIB
+    root = Path(tempfile.mkdtemp(prefix="lmr-bench-restart-", dir="/dev/shm"))
+    disk_root = Path(tempfile.mkdtemp(prefix="lmr-bench-restart-"))
+    out: dict[str, list[dict[str, Any]]] = {"memory": [], "disk": []}
+    try:
+        (root / "disk").symlink_to(disk_root)  # files on the real disk, slots on tmpfs
+        for _ in range(repeats):
+            for mode in ("memory", "disk"):
+                _run_child("capture", size_mib, root)
+                out[mode].append(_run_child(mode, size_mib, root))
+                shutil.rmtree(root / "shm", ignore_errors=True)
+                for child in disk_root.iterdir():
+                    shutil.rmtree(child, ignore_errors=True)
+        raw = []
+        buf = allocate_arena(nbytes, pin=False)
+        path = disk_root / "raw.bin"
+        with open(path, "wb") as f:
+            f.write(bytes(1 << 20) * size_mib)
+            os.fsync(f.fileno())
+        for _ in range(repeats):
+            _evict(path)
+            t0 = time.perf_counter()
+            _raw_read(path, buf)
+            raw.append(time.perf_counter() - t0)
+        state = _state(nbytes, seed=7)
+        tensors = {k: v for k, v in state.items() if k != "step"}
+        folder = disk_root / "dcp"
+        dcp.save(tensors, checkpoint_id=str(folder), no_dist=True)
+        dcp_s = []
+        for _ in range(repeats):
+            _evict(*(p for p in folder.iterdir() if p.is_file()))
+            t0 = time.perf_counter()
+            dcp.load(tensors, checkpoint_id=str(folder), no_dist=True)
+            dcp_s.append(time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(disk_root, ignore_errors=True)
+    return {"runs": out, "raw_read_s": raw, "dcp_load_s": dcp_s, "bytes": nbytes}
+
+
+def _report_new_process(res: dict[str, Any]) -> dict[str, Any]:
+    med = statistics.median
+    gib = res["bytes"] / (1 << 30)
+    mem = {
+        k: med(r[k] for r in res["runs"]["memory"])
+        for k in res["runs"]["memory"][0]
+        if k.endswith("_s")
+    }
+    disk = {
+        k: med(r[k] for r in res["runs"]["disk"])
+        for k in res["runs"]["disk"][0]
+        if k.endswith("_s")
+    }
+    raw, dcp_s = med(res["raw_read_s"]), med(res["dcp_load_s"])
+    attach_validate = mem["construct_s"] + mem["find_latest_s"]
+    row = {
+        "memory_restore_s": round(mem["restore_s"], 4),
+        "attach_validate_ms_per_gib": round(1e3 * attach_validate / gib, 1),
+        "hand_over_s": round(mem["load_s"], 4),
+        "disk_restore_s": round(disk["restore_s"], 4),
+        "raw_read_s": round(raw, 4),
+        "dcp_load_s": round(dcp_s, 4),
+        "disk_over_memory": round(disk["restore_s"] / mem["restore_s"], 1),
+        "dcp_over_memory": round(dcp_s / mem["restore_s"], 1),
+        "sources": [res["runs"]["memory"][0]["sources"], res["runs"]["disk"][0]["sources"]],
+    }
+    print(
+        f"new process restoring {res['bytes'] / MIB:.0f} MiB (median; interpreter start excluded):"
+    )
+    print(
+        f"  from memory slots: {mem['restore_s']:.3f} s = construct+attach+validate "
+        f"{mem['construct_s']:.3f} + find_latest {mem['find_latest_s']:.3f} + hand-over "
+        f"{mem['load_s']:.3f}  ({row['attach_validate_ms_per_gib']} ms/GiB attach+validate)"
+    )
+    print(
+        f"  from own disk:     {disk['restore_s']:.3f} s   raw read {raw:.3f} s   DCP load "
+        f"{dcp_s:.3f} s"
+    )
+    print(f"  memory is {row['disk_over_memory']}x faster than own disk, "
+          f"{row['dcp_over_memory']}x faster than DCP load")  # fmt: skip
+    return row
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
@@ -287,7 +436,17 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument("--only-new-process", action="store_true")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("child_root", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child is not None:
+        _child(args.child, args.size_mib, args.child_root)
+        return
+    restart = _report_new_process(_new_process(args.size_mib, args.repeats))
+    if args.only_new_process:
+        print(json.dumps({"benchmark": "recovery-restart", **restart}))
+        return
     root = Path(tempfile.mkdtemp(prefix="lmr-bench-recovery-"))
     try:
         per_rank = run_distributed(
@@ -357,6 +516,7 @@ def main() -> None:
                 "dcp_load_s": round(dcp_s, 4),
                 "limits_s": {k: round(v, 4) for k, v in lim.items()},
                 "demo_recovery_s": demo,
+                "new_process": restart,
             }
         )
     )

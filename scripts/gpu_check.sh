@@ -12,6 +12,10 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 scripts/gpu_check.py 2>&1 | tee "${OUT:-/tmp}/gpu_check.log"
 rc=${PIPESTATUS[0]}
+# The memory tier on a GPU host: NCCL default group, cudaHostRegister per GiB, a
+# restarted process re-attaching and re-registering (~1 min).
+python3 scripts/gpu_memory_check.py 2>&1 | tee -a "${OUT:-/tmp}/gpu_check.log"
+rc=$(( rc || PIPESTATUS[0] ))
 # The test suite's CUDA-only tests (skipped on CPU machines).
 python3 -m pytest -q -p no:cacheprovider -k "cuda" \
   tests/unit/test_mtgs_shadow.py tests/distributed/test_mtgs_transactions.py 2>&1 \

@@ -1,15 +1,22 @@
-"""Every test runs in its own empty working directory.
+"""Every test runs in its own empty working directory and its own memory folder.
 
-The manager's default ``disk_folder`` is ``./checkpoints``; running each test in a
-fresh directory keeps node-local files of one test from ever reaching another
-(or the checkout).
+The manager's default ``disk_folder`` is ``./checkpoints`` and its default
+``memory_folder`` ``/dev/shm/lm-resiliency``; running each test in a fresh
+directory, with ``LM_RESILIENCY_MEMORY_FOLDER`` pointing at a fresh folder on
+/dev/shm (removed afterwards), keeps node-local files and memory slots of one
+test from ever reaching another (or the machine's real folder).
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+_SHM = Path("/dev/shm")
 
 
 @pytest.fixture(autouse=True)
@@ -19,3 +26,12 @@ def _isolated_cwd(
     cwd = tmp_path_factory.mktemp("cwd")
     monkeypatch.chdir(cwd)
     return cwd
+
+
+@pytest.fixture(autouse=True)
+def _isolated_memory_folder(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    base = _SHM if _SHM.is_dir() else Path(tempfile.gettempdir())
+    folder = Path(tempfile.mkdtemp(prefix="lmr-test-shm-", dir=base))
+    monkeypatch.setenv("LM_RESILIENCY_MEMORY_FOLDER", str(folder / "lm-resiliency"))
+    yield folder / "lm-resiliency"
+    shutil.rmtree(folder, ignore_errors=True)

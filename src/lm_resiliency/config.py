@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from lm_resiliency.errors import ConfigError
+from lm_resiliency._validate import Rule, at_least, positive_time, validate
 
 MiB = 1024 * 1024
+MEMORY_FOLDER_ENV = "LM_RESILIENCY_MEMORY_FOLDER"
+DEFAULT_MEMORY_FOLDER = "/dev/shm/lm-resiliency"
+RESUME_CHOICES = ("unfinished", "finished")
+
+
+def default_memory_folder() -> str:
+    """``$LM_RESILIENCY_MEMORY_FOLDER`` if set, else ``/dev/shm/lm-resiliency``."""
+    return os.environ.get(MEMORY_FOLDER_ENV) or DEFAULT_MEMORY_FOLDER
 
 
 @dataclass(frozen=True, kw_only=True)
 class InMemoryCkptConfig:
     """What GEMINI captures, how often, where it replicates and persists it.
 
-    Every field is validated at construction; a bad value raises
-    :class:`~lm_resiliency.errors.ConfigError` naming the field and a valid choice.
+    Every field is validated at construction, by its annotation (bools are
+    bools, ints are ints and not bools, floats are finite, ``disk_folder`` is a
+    str or Path) and by its range rule in ``_RULES``; a bad value raises
+    :class:`~lm_resiliency.errors.ConfigError` naming the field, the value and
+    a valid choice. A new field needs only its annotation (and one ``_RULES``
+    line if it has a range).
     """
 
     enable: bool = True
@@ -31,7 +44,11 @@ class InMemoryCkptConfig:
     """Bytes per replication send (see ``estimate_chunk_size``)."""
 
     disk_flush_interval: int = 100
-    """Persist every this many steps (a multiple of ``interval`` is sensible); ``0`` disables."""
+    """Persist the captures that reach a multiple of this many steps: with ``interval=5`` and
+    ``disk_flush_interval=10`` steps 10, 20, 30, ... (generally the first capture at or after
+    each multiple). A persisted step is visible to recovery once its file is published, a few
+    hundred ms per GiB after the capture, in the background. ``0`` disables periodic flushes
+    (the signal and exit flush, ``flush_newest()`` and ``flush_on_close`` still write)."""
 
     disk_folder: str | Path = "./checkpoints"
     """Node-local checkpoint directory."""
@@ -66,46 +83,82 @@ class InMemoryCkptConfig:
     copy_rate_limit_bytes_per_s: int | None = None
     """CPU path only: cap the background copy rate to protect foreground compute on few cores."""
 
+    memory_folder: str | Path | None = field(default_factory=default_memory_folder)
+    """Node-local memory filesystem (tmpfs) for the slot arenas, so they outlive the process
+    and a restarted worker recovers from memory; ``None`` = process memory (lost with it).
+    Default ``/dev/shm/lm-resiliency`` (or ``$LM_RESILIENCY_MEMORY_FOLDER``)."""
+
+    memory_required: bool = False
+    """Fail (``MemoryFolderFull``) instead of falling back to process memory when the memory
+    folder is unusable or too small."""
+
+    keep_memory_on_close: bool = False
+    """Keep the memory slots when the manager is closed after a successful run."""
+
+    control_timeout_s: float = 300.0
+    """Bound on every agreement collective (identity, availability, recovery); a rank that
+    does not answer in time makes every other rank fail, naming it."""
+
+    resume: str = "unfinished"
+    """``"unfinished"``: a new launch with this run id resumes it unless it finished;
+    ``"finished"``: resume even a finished run (e.g. to train further)."""
+
     def __post_init__(self) -> None:
-        if self.interval < 1:
-            raise ConfigError(
-                f"interval={self.interval} is invalid; use a positive number of optimizer "
-                "steps between captures, e.g. interval=10"
-            )
-        if self.replication_jump != -1 and self.replication_jump < 1:
-            raise ConfigError(
-                f"replication_jump={self.replication_jump} is invalid; use -1 (ranks per node) "
-                "or a positive rank distance such as 8"
-            )
-        if self.replication_chunk_size < 1:
-            raise ConfigError(
-                f"replication_chunk_size={self.replication_chunk_size} is invalid; use a "
-                "positive number of bytes such as 16 * 1024 * 1024 (see estimate_chunk_size)"
-            )
-        if self.disk_flush_interval < 0:
-            raise ConfigError(
-                f"disk_flush_interval={self.disk_flush_interval} is invalid; use 0 to disable "
-                "periodic flushes or a positive number of steps such as 100"
-            )
-        if not str(self.disk_folder):
-            raise ConfigError(
-                "disk_folder is empty; use a node-local directory such as ./checkpoints"
-            )
-        if self.run_id is not None and (not self.run_id.strip() or "/" in self.run_id):
-            raise ConfigError(
-                f"run_id={self.run_id!r} is invalid; use a non-empty identifier without '/' "
-                "that is the same on every rank, or None to resolve it from the launcher"
-            )
-        if self.keep_generations < 1:
-            raise ConfigError(
-                f"keep_generations={self.keep_generations} is invalid; keep at least 1 generation"
-            )
-        for name in ("replication_timeout_s", "signal_flush_deadline_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} is invalid; use a positive time")
-        limit = self.copy_rate_limit_bytes_per_s
-        if limit is not None and limit < MiB:
-            raise ConfigError(
-                f"copy_rate_limit_bytes_per_s={limit} is invalid; use None (no limit) or at "
-                "least 1 MiB/s, e.g. 1_000_000_000"
-            )
+        validate(self, _RULES)
+
+
+#: Range rules per field (the type comes from the annotation; see ``lm_resiliency._validate``).
+_RULES = {
+    "interval": at_least(
+        1,
+        "is invalid; use a positive number of optimizer steps between captures, e.g. interval=10",
+        "interval=10",
+    ),
+    "replication_jump": Rule(
+        lambda v: v == -1 or v >= 1,
+        "is invalid; use -1 (ranks per node) or a positive rank distance such as 8",
+        "replication_jump=8",
+    ),
+    "replication_chunk_size": at_least(
+        1,
+        "is invalid; use a positive number of bytes such as 16 * 1024 * 1024 "
+        "(see estimate_chunk_size)",
+        "16 * 1024 * 1024",
+    ),
+    "disk_flush_interval": at_least(
+        0,
+        "is invalid; use 0 to disable periodic flushes or a positive number of steps such as 100",
+        "disk_flush_interval=100",
+    ),
+    "disk_folder": Rule(
+        lambda v: bool(str(v)),
+        "is empty; use a node-local directory such as ./checkpoints",
+        'disk_folder="./checkpoints"',
+    ),
+    "run_id": Rule(
+        lambda v: bool(v.strip()) and "/" not in v,
+        "is invalid; use a non-empty identifier without '/' that is the same on every rank, "
+        "or None to resolve it from the launcher",
+        'run_id="llama-7b-run-3"',
+    ),
+    "keep_generations": at_least(1, "is invalid; keep at least 1 generation", "keep_generations=2"),
+    "replication_timeout_s": positive_time("60"),
+    "signal_flush_deadline_s": positive_time("25"),
+    "control_timeout_s": positive_time("300"),
+    "resume": Rule(
+        lambda v: v in RESUME_CHOICES,
+        f"is invalid; use one of {list(RESUME_CHOICES)}",
+        'resume="unfinished"',
+    ),
+    "memory_folder": Rule(
+        lambda v: bool(str(v)),
+        "is empty; use a tmpfs directory such as /dev/shm/lm-resiliency, or None for process "
+        "memory",
+        'memory_folder="/dev/shm/lm-resiliency"',
+    ),
+    "copy_rate_limit_bytes_per_s": at_least(
+        MiB,
+        "is invalid; use None (no limit) or at least 1 MiB/s, e.g. 1_000_000_000",
+        "1_000_000_000",
+    ),
+}

@@ -66,14 +66,26 @@ class ShardIdentityMismatch(ShardUnavailable, IdentityMismatch):
 
 
 class UnsafePathError(ResiliencyError):
-    """A path inside the checkpoint folder is a symlink or of the wrong kind; never followed."""
+    """A path inside the checkpoint folder is unsafe to use: never followed, read or replaced.
+
+    ``reason`` is a short stable code: ``"symlink"``, ``"not_a_directory"``,
+    ``"not_a_file"`` (a FIFO, socket, device...), ``"foreign_owner"``,
+    ``"writable_by_others"``, ``"hard_linked"`` or ``"replaced"``; ``path`` the
+    entry. The message names the path, its owner and mode, and the fix.
+    """
+
+    def __init__(self, message: str, *, reason: str = "unsafe", path: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.path = path
 
 
 class SidecarUnavailable(CheckpointFormatError):
     """A rank's status sidecar is malformed or names another identity (fails closed).
 
     ``reason`` is a short stable code (``"malformed"``, ``"identity"``, ``"schema"``,
-    ``"trust"``); callers treat the rank's status as unknown, never as empty.
+    ``"trust"``, or an :class:`UnsafePathError` reason such as ``"not_a_file"``);
+    callers treat the rank's status as unknown, never as empty.
     """
 
     def __init__(self, message: str, *, reason: str, path: str) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm_resiliency import InMemoryCkptConfig, NoConsistentStep, RecoveryMode
+from lm_resiliency import InMemoryCkptConfig, NoConsistentStep, RankFailures, RecoveryMode
 from lm_resiliency.experimental import InMemoryCheckpointManager
 from lm_resiliency.testing import run_distributed
 
@@ -236,3 +236,42 @@ def test_on_one_node_a_holder_does_not_rewrite_the_owners_shard(tmp_path) -> Non
     assert out[0]["written"] == 1  # own shard only: rank 1's was already published
     for o in out:
         assert o["same"] and o["sources"] == ["own disk", "own disk"]
+
+
+def _shard_state(shard: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(shard * 1000 + step)
+    return {"model": {"w": torch.randn(256, generator=g)}, "step": step}
+
+
+def _hsdp_replica(rank: int, world: int, tmp: str) -> dict:
+    shard = rank % 2  # a 2 x 2 mesh, replicate-major: ranks r and r + 2 hold the same shard
+    cfg = _cfg(tmp, replication_chunk_size=4096)
+    m = InMemoryCheckpointManager(cfg, hsdp_replicated=True, replica_ranks=[shard, shard + 2])
+    with m:
+        assert "peer_current" not in m.slots()  # natural replicas: two own slots, no transfer
+        for step in (10, 20):
+            m.save(_shard_state(shard, step), step)
+            m.maybe_wait()
+        assert m.replication_stats is None
+        if rank == 2:
+            m.drop_memory()  # its node was lost: its memory is gone
+        step = m.find_latest()
+        state = m.load(step)
+        rep = m.last_recovery
+        return {"step": step, "same": _same(state, _shard_state(shard, step)), "rep": rep.sources}
+
+
+def test_hsdp_rank_without_memory_recovers_its_shard_from_a_replica_rank(tmp_path) -> None:
+    out = run_distributed(_hsdp_replica, 4, args=(str(tmp_path),), timeout_s=150)
+    for o in out:
+        assert o["step"] == 20 and o["same"]
+        assert o["rep"] == ["own memory", "own memory", "peer memory", "own memory"]
+
+
+def test_hsdp_replica_ranks_must_be_an_evenly_spaced_replicate_dimension(tmp_path) -> None:
+    with pytest.raises(RankFailures, match="must be evenly spaced"):
+        run_distributed(_bad_replicas, 4, args=(str(tmp_path),), timeout_s=60)
+
+
+def _bad_replicas(rank: int, world: int, tmp: str) -> None:
+    InMemoryCheckpointManager(_cfg(tmp), hsdp_replicated=True, replica_ranks=[0, 1, 3])

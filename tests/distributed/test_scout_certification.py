@@ -93,7 +93,7 @@ def _dynamic_job(rank: int, world: int, tmp: str) -> dict:
         "groups": scout.last_result.groups,
     }
     scout.close()
-    manager.close()
+    manager.close(finished=False)  # the job stops after the SDC; a restart resumes it
     return out
 
 
@@ -101,9 +101,10 @@ def _restarted_job(rank: int, world: int, tmp: str) -> dict:
     t = Trainer("moe", rank=rank, world=world, ddp=False, seed=99)  # fresh weights
     manager = _manager(tmp, "moe-cert", world)
     scout = _moe_scout(t, manager, world, [])
+    latest = manager.find_latest()
     decision = decide_recovery(manager, scout=scout, env={})  # nobody says what happened
     state = manager.load(decision.step, mode=decision.mode)
-    out = {"decision": decision, "digest": digest(state), "latest": manager.find_latest()}
+    out = {"decision": decision, "digest": digest(state), "latest": latest}
     scout.close()
     manager.close()
     return out
@@ -146,7 +147,7 @@ def test_dynamic_catalog_certification_is_job_wide_and_a_restart_recovers_verifi
             10,
         )
         assert d.source == "persisted verdict" and "SCOUT verdict" in d.reason
-        assert o["latest"] == 20  # the rejected candidate is on disk, and not chosen
+        assert o["latest"] == 25  # re-attached memory: the newest capture, never certified
         assert o["digest"] == job[rank]["captured"][10], f"rank {rank}: not bit-identical"
 
 

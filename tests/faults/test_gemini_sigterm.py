@@ -1,4 +1,8 @@
-"""SIGTERM during training: the manager flushes the newest complete capture, then chains."""
+"""SIGTERM during training: the manager flushes the newest complete capture, then chains.
+
+Also: a SIGTERM that arrives while the main thread is already flushing (from an
+exception handler) neither deadlocks nor tears that flush.
+"""
 
 from __future__ import annotations
 
@@ -79,7 +83,11 @@ def _run_child(tmp_path: Path, chain: str) -> tuple[subprocess.CompletedProcess[
 
 
 def _recover(folder: Path, marker_dir: Path) -> None:
-    cfg = InMemoryCkptConfig(disk_folder=folder, run_id="sigterm-test", signal_flush=False)
+    # memory_folder=None: the child's memory slots (still on /dev/shm) are not consulted, so
+    # the step must come from what the signal flush wrote.
+    cfg = InMemoryCkptConfig(
+        disk_folder=folder, run_id="sigterm-test", signal_flush=False, memory_folder=None
+    )
     with InMemoryCheckpointManager(cfg) as m:
         assert m.find_latest() == 6
         state = m.load(6)
@@ -102,3 +110,113 @@ def test_sigterm_flush_chains_to_the_previous_handler(tmp_path) -> None:
     assert result.returncode == 42, result.stderr
     assert "previous handler ran" in result.stdout
     _recover(folder, tmp_path)
+
+
+FLUSHING_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    import torch
+    from lm_resiliency import InMemoryCkptConfig
+    from lm_resiliency.experimental import InMemoryCheckpointManager
+
+    folder = sys.argv[1]
+    cfg = InMemoryCkptConfig(interval=1, disk_folder=folder, disk_flush_interval=0,
+                             run_id="sigterm-during-flush", memory_folder=None,
+                             signal_flush_deadline_s=60)
+    manager = InMemoryCheckpointManager(cfg)
+    manager.save({"w": torch.full((96 << 20,), 7.0), "step": 7}, 7)
+    manager.maybe_wait()
+    manager.wait_persisted()
+    try:
+        raise RuntimeError("Connection closed by peer")  # a survivor's collective error
+    except RuntimeError:
+        # the user's exception handler persists what it has; torchrun's SIGTERM lands
+        # in the middle of that flush
+        killer = threading.Timer(0.05, os.kill, args=(os.getpid(), signal.SIGTERM))
+        killer.start()
+        print("flushing", flush=True)
+        manager.flush_newest()  # the deferred SIGTERM ends the process right after it
+        print("flush returned", flush=True)  # not reached
+    time.sleep(30)
+    """
+)
+
+
+def test_sigterm_during_an_exception_handlers_flush_neither_deadlocks_nor_tears_it(
+    tmp_path,
+) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(FLUSHING_CHILD)
+    folder = tmp_path / "ckpt"
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script), str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,  # the exit status is asserted below
+    )
+    elapsed = time.monotonic() - t0
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    # The interrupted flush ran to its end, then the signal took the default action.
+    assert done.stdout.splitlines() == ["flushing"]
+    assert elapsed < 30  # not the 60 s deadline: the handler did not wait on the flush
+    assert not list(folder.rglob("*.tmp"))
+    assert [p.name for p in folder.rglob("*.safetensors")] == ["rank-0.safetensors"]
+    cfg = InMemoryCkptConfig(
+        disk_folder=folder, run_id="sigterm-during-flush", memory_folder=None, signal_flush=False
+    )
+    with InMemoryCheckpointManager(cfg) as m:
+        assert m.find_latest() == 7
+        assert torch.equal(m.load(7)["w"], torch.full((96 << 20,), 7.0))
+
+
+EXITING_CHILD = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from lm_resiliency import InMemoryCkptConfig
+    from lm_resiliency.experimental import InMemoryCheckpointManager
+
+    cfg = InMemoryCkptConfig(interval=1, disk_folder=sys.argv[1], disk_flush_interval=0,
+                             run_id="exit-flush", memory_folder=sys.argv[2] or None)
+    manager = InMemoryCheckpointManager(cfg)
+    for step in (3, 4):
+        manager.save({"w": torch.full((1000,), float(step)), "step": step}, step)
+        manager.maybe_wait()
+    manager.wait_persisted()
+    raise RuntimeError("Connection closed by peer")  # a survivor's collective error, uncaught
+    """
+)
+
+
+def _exit_on_error(tmp_path: Path, memory: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING_CHILD)
+    folder = tmp_path / "ckpt"
+    done = subprocess.run(
+        [sys.executable, str(script), str(folder), memory],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1 and "Connection closed by peer" in done.stderr, done.stderr
+    return done, folder
+
+
+def test_an_uncaught_exception_persists_slots_that_live_in_process_memory(tmp_path) -> None:
+    done, folder = _exit_on_error(tmp_path, "")
+    assert "persisting the newest slots first" in done.stderr
+    cfg = InMemoryCkptConfig(
+        disk_folder=folder, run_id="exit-flush", memory_folder=None, signal_flush=False
+    )
+    with InMemoryCheckpointManager(cfg) as m:
+        assert m.find_latest() == 4
+        assert torch.equal(m.load(4)["w"], torch.full((1000,), 4.0))
+
+
+def test_an_uncaught_exception_writes_nothing_when_the_slots_survive(tmp_path) -> None:
+    done, folder = _exit_on_error(tmp_path, str(tmp_path / "shm"))
+    assert "persisting" not in done.stderr
+    assert not list(folder.rglob("*.safetensors"))  # memory outlives the process anyway

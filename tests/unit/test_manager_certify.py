@@ -33,34 +33,37 @@ def _trust_on_disk(tmp: Path) -> dict[int, str | None]:
 def test_certified_steps_are_persisted_with_their_trust_and_survive_a_restart(
     tmp_path: Path,
 ) -> None:
-    with InMemoryCheckpointManager(_cfg(tmp_path)) as m:
-        trust = {10: TrustStatus.RECOVERY_VERIFIED, 20: TrustStatus.CANDIDATE}
-        for step in (10, 20, 30):
-            m.save(_state(step), step)
-            if step in trust:
-                m.certify(step, trust[step])  # the capture is still in flight
-            m.maybe_wait()
-        assert m.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10  # memory: at once
-        m.reject(20, reason="sdc on rank 1")
-        m.require_verified_recovery(40, reason="sdc on rank 1 at step 40")
-        assert m.wait_persisted(timeout_s=30)
-        # Step 30 was neither certified nor due for a periodic flush: never written.
-        assert _trust_on_disk(tmp_path) == {10: "recovery_verified", 20: "candidate"}
-        sidecar = json.loads((m.store().topology_path / "status-rank-0.json").read_text())
-        assert sidecar["verified_history"] == [10] and sidecar["candidate_step"] is None
-        assert sidecar["rejected"] == [{"step": 20, "reason": "sdc on rank 1"}]
+    m = InMemoryCheckpointManager(_cfg(tmp_path))
+    trust = {10: TrustStatus.RECOVERY_VERIFIED, 20: TrustStatus.CANDIDATE}
+    for step in (10, 20, 30):
+        m.save(_state(step), step)
+        if step in trust:
+            m.certify(step, trust[step])  # the capture is still in flight
+        m.maybe_wait()
+    assert m.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10  # memory: at once
+    m.reject(20, reason="sdc on rank 1")
+    m.require_verified_recovery(40, reason="sdc on rank 1 at step 40")
+    assert m.wait_persisted(timeout_s=30)
+    # Step 30 was neither certified nor due for a periodic flush: never written.
+    assert _trust_on_disk(tmp_path) == {10: "recovery_verified", 20: "candidate"}
+    sidecar = json.loads((m.store().topology_path / "status-rank-0.json").read_text())
+    assert sidecar["verified_history"] == [10] and sidecar["candidate_step"] is None
+    assert sidecar["rejected"] == [{"step": 20, "reason": "sdc on rank 1"}]
+    m.close(finished=False)  # the job stops after the SDC, unfinished
 
-    # A new process: memory is gone, the trust records are not.
-    with InMemoryCheckpointManager(_cfg(tmp_path)) as fresh:
-        assert fresh.recovery_verdict() == RecoveryVerdict(40, "sdc on rank 1 at step 40")
-        assert fresh.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10
-        assert fresh.find_latest() == 20
-        state = fresh.load(10, mode=RecoveryMode.RECOVERY_VERIFIED)
-        assert torch.equal(state["w"], _state(10)["w"])
-        fresh.clear_recovery_verdict()
-        assert fresh.wait_trust(timeout_s=30)
-    with InMemoryCheckpointManager(_cfg(tmp_path)) as again:
-        assert again.recovery_verdict() is None
+    # A new process: it re-attaches the memory slots (20 and 30) and reads the trust records.
+    fresh = InMemoryCheckpointManager(_cfg(tmp_path))
+    assert fresh.recovery_verdict() == RecoveryVerdict(40, "sdc on rank 1 at step 40")
+    assert fresh.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10
+    assert fresh.find_latest() == 30  # the newest capture, never certified
+    state = fresh.load(10, mode=RecoveryMode.RECOVERY_VERIFIED)
+    assert torch.equal(state["w"], _state(10)["w"])
+    fresh.clear_recovery_verdict()
+    assert fresh.wait_trust(timeout_s=30)
+    fresh.close(finished=False)
+    again = InMemoryCheckpointManager(_cfg(tmp_path))
+    assert again.recovery_verdict() is None
+    again.close()
 
 
 def test_promotion_needs_no_second_write_and_unverified_is_refused(tmp_path: Path) -> None:

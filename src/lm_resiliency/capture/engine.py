@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from lm_resiliency.capture.layout import Layout
-from lm_resiliency.capture.slot import Slot
+from lm_resiliency.capture.slot import ANONYMOUS, ArenaBacking, ArenaHandle, Slot
 from lm_resiliency.errors import CaptureError
 from lm_resiliency.state import EncodedState, encode_state
 
@@ -75,7 +75,21 @@ class _Cycle:
     error: BaseException | None = None
 
 
+@dataclass(frozen=True)
+class Adopted:
+    """A committed capture that outlived an earlier process, to be taken over by a slot."""
+
+    slot_name: str
+    handle: ArenaHandle
+    layout: Layout
+    step: int
+    document: dict[str, Any]
+    timeline: str | None
+
+
 AfterCapture = Callable[[Slot], None]
+PlanArenas = Callable[[int], None]
+"""Called on the caller's thread with a new layout's byte size before its first copy."""
 
 
 class CaptureEngine:
@@ -84,6 +98,9 @@ class CaptureEngine:
     ``num_slots`` own slots rotate: the newest complete capture is always kept
     while the next one is being filled (``own_current`` / ``own_previous``).
     ``after_capture(slot)`` runs on the worker once a slot is complete.
+    ``backing`` allocates the arenas (process memory by default);
+    ``plan_arenas(nbytes)`` runs on the caller's thread whenever the layout
+    changes, before any slot is sized for it (a budget check that may raise).
     """
 
     def __init__(
@@ -94,6 +111,8 @@ class CaptureEngine:
         rate_limit_bytes_per_s: int | None = None,
         after_capture: AfterCapture | None = None,
         num_slots: int = 2,
+        backing: ArenaBacking = ANONYMOUS,
+        plan_arenas: PlanArenas | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots}: the capture engine needs at least 1 slot")
@@ -101,7 +120,8 @@ class CaptureEngine:
         self.pin_memory = pin_memory
         self.rate_limit = rate_limit_bytes_per_s
         self.after_capture = after_capture
-        self.slots = [Slot(f"own_{i}") for i in range(num_slots)]
+        self.slots = [Slot(f"own_{i}", backing=backing) for i in range(num_slots)]
+        self._plan_arenas = plan_arenas
         self.stats = CaptureStats()
         self._layout: Layout | None = None
         self._layout_key: tuple[Any, ...] | None = None
@@ -129,12 +149,13 @@ class CaptureEngine:
         """Launch the capture of ``state`` at ``step``; returns without waiting for bytes.
 
         Waits for the previous cycle (copy and replication) first. Raises
-        ``StateEncodingError`` for unsupported values and ``CaptureError`` for a
-        failure of an earlier background cycle.
+        ``StateEncodingError`` for unsupported values (also a tensor dtype the
+        node-local shard format cannot store, checked when the layout changes)
+        and ``CaptureError`` for a failure of an earlier background cycle.
         """
         t0 = time.perf_counter()
         self._finish_previous()
-        self._launch(encode_state(state), step, t0)
+        self._launch(encode_state(state), step, t0, persisted=True)
 
     def capture_tensors(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int
@@ -148,8 +169,8 @@ class CaptureEngine:
         self._finish_previous()
         self._launch(EncodedState(document={}, tensors=list(tensors), names=list(names)), step, t0)
 
-    def _launch(self, encoded: EncodedState, step: int, t0: float) -> None:
-        layout = self._layout_for(encoded)
+    def _launch(self, encoded: EncodedState, step: int, t0: float, persisted: bool = False) -> None:
+        layout = self._layout_for(encoded, persisted)
         slot = self._rotate()
         # Device tensors: remember where the compute stream is now; the worker's side
         # stream waits for this event before copying. The cycle keeps a reference to
@@ -187,6 +208,24 @@ class CaptureEngine:
         """The layout of the newest launched capture (known before its bytes are copied)."""
         return self._layout
 
+    def adopt(self, adopted: Sequence[Adopted]) -> None:
+        """Take over complete captures an earlier process left, newest step first into
+        ``own_current``. Call before the first capture.
+        """
+        by_name = {s.name: s for s in self.slots}
+        for a in adopted:
+            by_name[a.slot_name].adopt(
+                a.handle,
+                a.layout,
+                step=a.step,
+                document=a.document,
+                owner_rank=self.rank,
+                timeline=a.timeline,
+            )
+        complete = [s for s in self.slots if s.complete]
+        empty = [s for s in self.slots if not s.complete]
+        self.slots = sorted(complete, key=lambda s: s.step or 0, reverse=True) + empty
+
     def complete_slots(self) -> list[Slot]:
         """The complete own slots, newest step first."""
         done = [s for s in self.slots if s.complete and s.step is not None]
@@ -220,10 +259,17 @@ class CaptureEngine:
             self._pending_error = None
             raise err
 
-    def _layout_for(self, encoded: EncodedState) -> Layout:
+    def _layout_for(self, encoded: EncodedState, persisted: bool) -> Layout:
         key = (Layout.signature(encoded.tensors), tuple(encoded.names))
         if self._layout is None or key != self._layout_key:
             new = Layout.from_tensors(encoded.tensors, encoded.names)
+            if persisted:
+                # A state tree may be written to a shard: refuse dtypes the format cannot
+                # store here, on the caller's thread, not at every later flush. Only when
+                # the layout is rebuilt; imported late because persistence imports capture.
+                from lm_resiliency.persistence.format import check_storable
+
+                check_storable(new)
             if self._layout is not None:
                 self.stats.relayouts += 1
                 log.info(
@@ -235,6 +281,8 @@ class CaptureEngine:
                     self._layout.total_bytes,
                     new.total_bytes,
                 )
+            if self._plan_arenas is not None:
+                self._plan_arenas(new.total_bytes)
             self._layout, self._layout_key = new, key
         return self._layout
 

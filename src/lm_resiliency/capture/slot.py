@@ -4,6 +4,14 @@ A slot moves EMPTY -> COPYING -> CAPTURED -> REPLICATED -> PERSISTED. Only a
 *complete* slot (CAPTURED or later) is ever replicated, persisted, selected for
 recovery or read back; a slot being filled is invisible. Rotation swaps slot
 objects between roles, it never copies bytes.
+
+Where the arena lives is the :class:`ArenaBacking`'s business: anonymous
+process memory (:class:`AnonymousBacking`, the default, gone with the process)
+or a file on a node-local memory filesystem that outlives the process
+(:mod:`lm_resiliency.memory`). A backing's :class:`ArenaHandle` is told when
+the arena's content is about to change (``begin``), is complete (``commit``)
+or is no longer valid (``retract``), so a file-backed slot can keep a state
+word that a restarted process trusts.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,6 +44,84 @@ class SlotRole(str, enum.Enum):
     PEER_PREVIOUS = "peer_previous"
 
 
+class ArenaHandle(Protocol):
+    """One arena of one slot, as its backing keeps it."""
+
+    @property
+    def arena(self) -> torch.Tensor:
+        """The flat ``uint8`` host buffer."""
+
+    @property
+    def survives_process(self) -> bool:
+        """Whether the content outlives this process (a restarted worker can re-attach)."""
+
+    def begin(self) -> None:
+        """The arena's content is about to change: it must not be trusted until ``commit``."""
+
+    def commit(self, slot: Slot) -> None:
+        """The arena holds ``slot``'s complete capture (layout, step, document, owner)."""
+
+    def retract(self) -> None:
+        """The content is no longer valid (a failed capture or receive)."""
+
+    def verify(self) -> None:
+        """Check content that outlived an earlier process against its checksums (raise if bad)."""
+
+    def hand_over(self) -> torch.Tensor:
+        """Give the arena to a caller; this handle is unusable afterwards."""
+
+    def release(self) -> None:
+        """Drop this process's references (a surviving copy stays where it lives)."""
+
+    def discard(self) -> None:
+        """Drop the arena everywhere (a surviving copy is removed too)."""
+
+
+class ArenaBacking(Protocol):
+    """Allocates the arenas of slots."""
+
+    def allocate(self, slot_name: str, nbytes: int, *, pin: bool) -> ArenaHandle:
+        """A new arena of ``nbytes`` for the slot named ``slot_name``, every page mapped."""
+
+
+class _AnonymousArena:
+    survives_process = False
+
+    def __init__(self, arena: torch.Tensor) -> None:
+        self.arena = arena
+
+    def begin(self) -> None:
+        pass
+
+    def commit(self, slot: Slot) -> None:
+        pass
+
+    def retract(self) -> None:
+        pass
+
+    def verify(self) -> None:
+        pass
+
+    def hand_over(self) -> torch.Tensor:
+        arena, self.arena = self.arena, torch.empty(0, dtype=torch.uint8)
+        return arena
+
+    def release(self) -> None:
+        self.arena = torch.empty(0, dtype=torch.uint8)
+
+    discard = release
+
+
+class AnonymousBacking:
+    """Process memory: pre-faulted (and page-locked with CUDA and ``pin``) tensors."""
+
+    def allocate(self, slot_name: str, nbytes: int, *, pin: bool) -> ArenaHandle:
+        return _AnonymousArena(allocate_arena(nbytes, pin=pin))
+
+
+ANONYMOUS = AnonymousBacking()
+
+
 @dataclass
 class Slot:
     """One host copy of a state: arena bytes, layout, step, non-tensor document, owner.
@@ -45,14 +131,21 @@ class Slot:
     """
 
     name: str
-    arena: torch.Tensor | None = None
+    backing: ArenaBacking = field(default=ANONYMOUS, repr=False)
+    handle: ArenaHandle | None = field(default=None, repr=False)
     layout: Layout | None = None
     step: int | None = None
     document: dict[str, Any] | None = None
     owner_rank: int | None = None
+    timeline: str | None = None
+    """Timeline of a capture an earlier process left (``None``: captured by this process)."""
     state: SlotState = SlotState.EMPTY
     _readers: int = 0
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    @property
+    def arena(self) -> torch.Tensor | None:
+        return None if self.handle is None else self.handle.arena
 
     @property
     def complete(self) -> bool:
@@ -60,36 +153,66 @@ class Slot:
 
     @property
     def arena_bytes(self) -> int:
-        return 0 if self.arena is None else self.arena.numel()
+        return 0 if self.handle is None else self.handle.arena.numel()
 
     def prepare(self, layout: Layout, *, pin: bool) -> bool:
         """Give the arena exactly ``layout.total_bytes`` bytes; True when it was reallocated.
 
         Waits until no background reader holds the slot, then marks it COPYING
-        so it is invisible until the new content is complete.
+        (and its backing's copy WRITING) so it is invisible until the new
+        content is complete.
         """
         with self._cond:
             self._cond.wait_for(lambda: self._readers == 0)
             self.state = SlotState.COPYING
             self.step = None
-        realloc = self.arena is None or self.arena.numel() != layout.total_bytes
+            self.timeline = None
+        handle = self.handle
+        realloc = handle is None or handle.arena.numel() != layout.total_bytes
         if realloc:
-            self.arena = None  # release the old arena before allocating the new one
-            self.arena = allocate_arena(layout.total_bytes, pin=pin)
+            if handle is not None:
+                self.handle = None
+                handle.discard()  # free the old arena before the new one is allocated
+            handle = self.handle = self.backing.allocate(self.name, layout.total_bytes, pin=pin)
+        assert handle is not None
+        handle.begin()
         self.layout = layout
         return realloc
 
     def views(self) -> list[torch.Tensor]:
-        assert self.arena is not None and self.layout is not None, f"slot {self.name} is empty"
-        return self.layout.views(self.arena)
+        arena = self.arena
+        assert arena is not None and self.layout is not None, f"slot {self.name} is empty"
+        return self.layout.views(arena)
 
     def publish(self, step: int, document: dict[str, Any], owner_rank: int) -> None:
         """Mark the slot complete for ``step`` (call only after every byte arrived)."""
+        self.step = step
+        self.document = document
+        self.owner_rank = owner_rank
+        assert self.handle is not None
+        self.handle.commit(self)
         with self._cond:
-            self.step = step
-            self.document = document
-            self.owner_rank = owner_rank
             self.state = SlotState.CAPTURED
+
+    def adopt(
+        self,
+        handle: ArenaHandle,
+        layout: Layout,
+        *,
+        step: int,
+        document: dict[str, Any],
+        owner_rank: int,
+        timeline: str | None,
+    ) -> None:
+        """Take over a complete capture that outlived an earlier process (already committed)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._readers == 0)
+            old, self.handle = self.handle, handle
+            self.layout, self.step, self.document = layout, step, document
+            self.owner_rank, self.timeline = owner_rank, timeline
+            self.state = SlotState.CAPTURED
+        if old is not None:
+            old.release()
 
     def advance(self, state: SlotState) -> None:
         """Record replication or persistence of a complete slot (never moves backwards)."""
@@ -102,12 +225,27 @@ class Slot:
             self._cond.wait_for(lambda: self._readers == 0)
             self.state = SlotState.EMPTY
             self.step = None
+        if self.handle is not None:
+            self.handle.retract()
 
     def free(self) -> None:
-        self.invalidate()
-        self.arena = None
-        self.layout = None
-        self.document = None
+        """Forget the arena in this process (a copy that outlives the process stays)."""
+        self._forget(discard=False)
+
+    def discard(self) -> None:
+        """Forget the arena everywhere (a copy that outlives the process is removed)."""
+        self._forget(discard=True)
+
+    def _forget(self, *, discard: bool) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._readers == 0)
+            self.state = SlotState.EMPTY
+            self.step = None
+            handle, self.handle = self.handle, None
+            self.layout = None
+            self.document = None
+        if handle is not None:
+            handle.discard() if discard else handle.release()
 
     def take(self, step: int) -> tuple[Layout, torch.Tensor, dict[str, Any]]:
         """Hand the complete capture of ``step`` over to the caller, without copying.
@@ -120,15 +258,15 @@ class Slot:
             self._cond.wait_for(lambda: self._readers == 0)
             if not self.complete or self.step != step:
                 raise LookupError(f"slot {self.name} does not hold a complete step {step}")
-            assert self.layout is not None and self.arena is not None
+            assert self.layout is not None and self.handle is not None
             assert self.document is not None
-            taken = (self.layout, self.arena, self.document)
+            layout, document, handle = self.layout, self.document, self.handle
             self.state = SlotState.EMPTY
             self.step = None
-            self.arena = None
+            self.handle = None
             self.layout = None
             self.document = None
-            return taken
+        return layout, handle.hand_over(), document
 
     @contextmanager
     def reading(self, step: int | None = None) -> Iterator[Slot]:

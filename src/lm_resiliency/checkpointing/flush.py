@@ -3,8 +3,14 @@
 :class:`DiskFlusher` owns one writer thread. ``submit(slots)`` queues complete
 slots (own and peer) for writing and returns at once; the writer holds each
 slot's read guard while writing, so a capture that wants to reuse that slot
-waits for the write instead of tearing it. ``flush_newest`` persists the newest
-complete slots synchronously (the signal path) within a deadline.
+waits for the write instead of tearing it. ``flush_newest`` persists given
+complete slots synchronously (the signal and exit path) within a deadline.
+
+:func:`consistent_newest` chooses what an exit flush persists so that a
+restarted job always finds a common step when one was in memory, and
+:class:`ExitFlush` makes sure only one such flush runs at a time: a second
+caller (the SIGTERM handler arriving during an exception handler's flush)
+joins the running one instead of waiting for its lock until a deadline.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lm_resiliency.capture.slot import Slot, SlotState
 from lm_resiliency.persistence import ShardStore, TrustStatus
@@ -133,3 +140,81 @@ class DiskFlusher:
         self.stats.written += 1
         self.stats.seconds.append(time.perf_counter() - t0)
         return True
+
+
+def consistent_newest(own: Sequence[Slot], held: Sequence[Slot]) -> list[Slot]:
+    """What an exit flush persists, most important first.
+
+    The newest step for which this rank holds both its own slot and (where it
+    holds replicas at all) its peer's replica, then a newer own slot if there
+    is one: the peer of a rank whose newest own step has no matching replica
+    holds that older step, so persisting the pair keeps a step in common.
+    """
+    mine = {s.step: s for s in own if s.complete and s.step is not None}
+    theirs = {s.step: s for s in held if s.complete and s.step is not None}
+    if not theirs:
+        return [mine[max(mine)]] if mine else []
+    common = sorted(set(mine) & set(theirs))
+    out: list[Slot] = []
+    if common:
+        out += [mine[common[-1]], theirs[common[-1]]]
+    elif mine or theirs:
+        out += [x[max(x)] for x in (mine, theirs) if x]
+    if mine and max(mine) not in {s.step for s in out}:
+        out.append(mine[max(mine)])
+    return out
+
+
+@dataclass
+class _Run:
+    owner: threading.Thread
+    done: threading.Event = field(default_factory=threading.Event)
+    result: list[int] = field(default_factory=list)
+
+
+class ExitFlush:
+    """One exit flush at a time, from any thread; a second caller joins the running one.
+
+    ``after(owner_thread)`` runs once a flush has finished (the manager uses it
+    to chain a SIGTERM that arrived while the main thread was flushing).
+    """
+
+    def __init__(
+        self,
+        flush: Callable[[], list[int]],
+        *,
+        deadline_s: float,
+        after: Callable[[threading.Thread], Any] | None = None,
+    ) -> None:
+        self._flush = flush
+        self._deadline_s = deadline_s
+        self._after = after
+        self._lock = threading.Lock()
+        self._running: _Run | None = None
+
+    def busy_on_main_thread(self) -> bool:
+        """Whether the main thread itself is inside a flush (a signal handler interrupted it)."""
+        run = self._running
+        return run is not None and run.owner is threading.main_thread()
+
+    def run(self) -> list[int]:
+        """Flush now, or join the flush that is already running; returns the steps written."""
+        me = threading.current_thread()
+        with self._lock:
+            run = self._running
+            started = run is None
+            if run is None:
+                run = self._running = _Run(me)
+        if not started:
+            if run.owner is not me:
+                run.done.wait(self._deadline_s)
+            return list(run.result)
+        try:
+            run.result = self._flush()
+        finally:
+            with self._lock:
+                self._running = None
+            run.done.set()
+            if self._after is not None:
+                self._after(me)
+        return list(run.result)

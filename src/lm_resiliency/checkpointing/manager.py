@@ -14,38 +14,50 @@ Call order on every rank (the contract's training loop)::
 and on recovery, on every rank: ``step = manager.find_latest()`` then
 ``state = manager.load(step)``.
 
-Which calls are collective: the constructor (agrees the run id and topology
-fingerprint, connects the replication edges), ``find_latest``, ``load`` and
-``close`` run on every rank of the group. ``save`` and ``maybe_wait`` are local;
-replication pairs ranks in the background, so every rank must ``save`` the same
-steps (the contract loop does).
+Which calls are collective: the constructor (creates the control plane,
+agrees the run id, topology fingerprint and timelines, connects the
+replication edges), ``find_latest``, ``load`` and ``close`` run on every rank
+of the group. ``save`` and ``maybe_wait`` are local; replication pairs ranks
+in the background, so every rank must ``save`` the same steps (the contract
+loop does).
+
+With ``memory_folder`` set (the default, ``/dev/shm/lm-resiliency``) every
+slot is a file on that memory filesystem: a process that crashes leaves its
+committed slots behind, and the manager of the restarted (or replacement)
+process on the same node re-attaches to them at construction, so recovery
+comes from memory, not disk.
 """
 
 from __future__ import annotations
 
-import json
+import atexit
+import itertools
 import logging
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from lm_resiliency.capture.engine import CaptureEngine, CaptureStats
-from lm_resiliency.capture.slot import Slot
-from lm_resiliency.checkpointing.flush import DiskFlusher, FlushStats
+from lm_resiliency.capture.engine import Adopted, CaptureEngine, CaptureStats
+from lm_resiliency.capture.slot import ANONYMOUS, ArenaBacking, Slot
+from lm_resiliency.checkpointing.flush import DiskFlusher, ExitFlush, FlushStats, consistent_newest
+from lm_resiliency.checkpointing.history import History
 from lm_resiliency.checkpointing.peer import PeerReplicas, ReplicationStats
+from lm_resiliency.checkpointing.restore import RecoveryReport, Restorer
 from lm_resiliency.config import InMemoryCkptConfig
-from lm_resiliency.errors import NoConsistentStep, ResiliencyError
+from lm_resiliency.control import ControlPlane
+from lm_resiliency.distributed import restart_count
+from lm_resiliency.errors import ConfigError, ResiliencyError, UnsafePathError
+from lm_resiliency.memory import MemoryFolder, MemoryTier
 from lm_resiliency.persistence import (
     RecoveryVerdict,
-    ShardReader,
     ShardStore,
     TrustStatus,
     agree_job_fingerprint,
@@ -53,31 +65,17 @@ from lm_resiliency.persistence import (
     resolve_run_id,
     topology_fingerprint,
 )
-from lm_resiliency.recovery.availability import (
-    Report,
-    Source,
-    gather_reports,
-    source_table,
-)
-from lm_resiliency.recovery.loader import FetchContext, Material, fetch_step
+from lm_resiliency.persistence.lineage import Lineage
+from lm_resiliency.recovery.availability import Report, Source
+from lm_resiliency.recovery.fetch import FetchContext
 from lm_resiliency.recovery.mode import RecoveryMode
+from lm_resiliency.recovery.sources import DiskShards, MemorySlots, NoSource, StepSource
 from lm_resiliency.replication import PairingPlan, ReplicationChannel, resolve_jump
-from lm_resiliency.state import decode_state
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
-_OWN_STORAGE_BYTES = 1 << 20
-
-
-@dataclass
-class RecoveryReport:
-    """What one ``load`` did: the step, each rank's source, bytes moved, time per phase."""
-
-    step: int | None
-    sources: list[str]
-    bytes_moved: int
-    walked_back_from: list[int] = field(default_factory=list)
-    phases_s: dict[str, float] = field(default_factory=dict)
+__all__ = ["InMemoryCheckpointManager", "RecoveryReport"]
 
 
 class InMemoryCheckpointManager:
@@ -87,8 +85,12 @@ class InMemoryCheckpointManager:
     default process group exists; without one the manager is single-process).
     ``hsdp_replicated``: the caller's 2-D mesh already holds every shard on a
     replica rank; with ``skip_replication_if_hsdp`` no peer transfer happens
-    and only the two own slots exist. ``load_fallback``: called by ``load`` when
-    no GEMINI step is available on every rank (the framework's durable checkpoint).
+    and only the two own slots exist. ``replica_ranks`` (HSDP): the ranks of
+    ``group`` holding byte-identical model and optimizer state to this one,
+    this rank included, evenly spaced (the replicate dimension of a
+    replicate-major mesh); a rank whose memory is lost is then restored from
+    a replica's own slot. ``load_fallback``: called by ``load`` when no
+    GEMINI step is available on every rank (the framework's durable checkpoint).
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class InMemoryCheckpointManager:
         *,
         group: dist.ProcessGroup | None = None,
         hsdp_replicated: bool = False,
+        replica_ranks: Sequence[int] | None = None,
         load_fallback: Callable[[], Any] | None = None,
     ) -> None:
         self.config = cfg = config or InMemoryCkptConfig()
@@ -104,8 +107,6 @@ class InMemoryCheckpointManager:
         self.group = (
             group if group is not None else (dist.group.WORLD if self._distributed else None)
         )
-        self.rank = dist.get_rank(self.group) if self._distributed else 0
-        self.world_size = dist.get_world_size(self.group) if self._distributed else 1
         self.load_fallback = load_fallback
         self.last_recovery: RecoveryReport | None = None
         self._closed = False
@@ -117,25 +118,25 @@ class InMemoryCheckpointManager:
         self._trust_jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmr-trust")
         self._trust_pending: list[Future[None]] = []
         self._trust_lock = threading.Lock()
-        self._last_flushed: int | None = None
-        self._pg = self.group if self._distributed else None
-        self.run_id = resolve_run_id(cfg.run_id, group=self._pg)
-        skip = cfg.skip_replication_if_hsdp and hsdp_replicated
-        jump = None if skip else resolve_jump(cfg.replication_jump, self.world_size).jump
-        self.plan: PairingPlan | None = (
-            None if skip or jump is None else PairingPlan.build(self.world_size, jump)
-        )
+        self._last_capture: int | None = None
+        self.control = ControlPlane(self.group, timeout_s=cfg.control_timeout_s)
+        self.rank = self.control.rank
+        self.world_size = self.control.world_size
+        with self.control.op("agree the run id"):
+            self.run_id = resolve_run_id(cfg.run_id, group=self.control.group)
+        self.hsdp = cfg.skip_replication_if_hsdp and hsdp_replicated
+        self.plan = self._pairing(replica_ranks)
         if self.rank == 0:
-            how = (
-                "HSDP replicas (no transfer)"
-                if skip
-                else (self.plan.describe() if self.plan is not None else "no peer")
-            )
-            log.info("GEMINI replication: %s", how)
+            log.info("GEMINI replication: %s", self._describe_plan())
         pairs = self.plan.table() if self.plan is not None else []
         group_fp = topology_fingerprint(list(range(self.world_size)), pairs)
-        self.topology = agree_job_fingerprint(group_fp, group=self._pg)
-        self._peer: PeerReplicas | None = None
+        with self.control.op("agree the topology"):
+            self.topology = agree_job_fingerprint(group_fp, group=self.control.group)
+        self.tier = self._agreed(
+            "open the memory folders", lambda: self._memory_tier() if cfg.enable else None
+        )
+        backing: ArenaBacking = self.tier if self.tier is not None else ANONYMOUS
+        channel = None
         if self.plan is not None and self.plan.has_peer and cfg.enable:
             channel = ReplicationChannel(
                 self.plan,
@@ -144,8 +145,16 @@ class InMemoryCheckpointManager:
                 chunk_bytes=cfg.replication_chunk_size,
                 timeout_s=cfg.replication_timeout_s,
             )
+        self._channel = channel
+        self._peer: PeerReplicas | None = None
+        if channel is not None and self.plan is not None and not self.hsdp:
             self._peer = PeerReplicas(
-                channel, self.plan, rank=self.rank, run_id=self.run_id, pin_memory=cfg.pin_memory
+                channel,
+                self.plan,
+                rank=self.rank,
+                run_id=self.run_id,
+                pin_memory=cfg.pin_memory,
+                backing=backing,
             )
         self._store: ShardStore | None = None
         self._store_lock = threading.Lock()
@@ -155,15 +164,184 @@ class InMemoryCheckpointManager:
             pin_memory=cfg.pin_memory,
             rate_limit_bytes_per_s=cfg.copy_rate_limit_bytes_per_s,
             after_capture=self._after_capture,
+            backing=backing,
+            plan_arenas=self.tier.plan if self.tier is not None else None,
         )
+        local = self._agreed("attach memory slots and open node-local folders", self._open_local)
+        self.history = History.agree(
+            local, control=self.control, run_id=self.run_id, resume=cfg.resume
+        )
+        if self.tier is not None:
+            tier = self.tier
+            self.history.add_publisher(lambda lin, tl: self._publish_memory(tier, lin, tl))
+        if self._store is not None:
+            opened = self._store
+            self.history.add_publisher(opened.set_lineage)
+        self._restorer = Restorer(
+            control=self.control,
+            report=self._report,
+            context=self._fetch_context,
+            holder_of=self._holder_of,
+            restarted=(restart_count() or 0) > 0,
+        )
+        self._exit_flush = ExitFlush(
+            self._flush_consistent, deadline_s=cfg.signal_flush_deadline_s, after=self._after_flush
+        )
+        # A process that ends without close() (a survivor leaving on its collective error)
+        # must stop our background threads before the interpreter tears torch down, or the
+        # C++ runtime aborts the exit; the memory slots stay for the restarted worker.
+        atexit.register(self._stop_threads)
         self._signal = None
+        self._excepthook: Any = None
         if cfg.enable and cfg.signal_flush:
             if threading.current_thread() is threading.main_thread():
                 self._signal = install_flush_on_signal(
-                    self.flush_newest, deadline_s=cfg.signal_flush_deadline_s
+                    self._exit_flush.run,
+                    deadline_s=cfg.signal_flush_deadline_s,
+                    busy=self._exit_flush.busy_on_main_thread,
                 )
+                self._install_excepthook()
             else:
                 log.info("manager built off the main thread: no SIGTERM/SIGINT flush installed")
+
+    # ------------------------------------------------------------------ construction
+    def _pairing(self, replica_ranks: Sequence[int] | None) -> PairingPlan | None:
+        """The replication plan, or in HSDP mode the plan that links replica ranks."""
+        if not self.hsdp:
+            return PairingPlan.build(
+                self.world_size, resolve_jump(self.config.replication_jump, self.world_size).jump
+            )
+        if replica_ranks is None:
+            return None
+        ranks = sorted(set(replica_ranks))
+        if self.rank not in ranks or not all(0 <= r < self.world_size for r in ranks):
+            raise ConfigError(
+                f"replica_ranks={list(replica_ranks)} must be ranks of the checkpoint group "
+                f"(0..{self.world_size - 1}) including this rank {self.rank}"
+            )
+        if len(ranks) < 2:
+            return None
+        gaps = {b - a for a, b in itertools.pairwise(ranks)}
+        jump = ranks[1] - ranks[0]
+        if len(gaps) != 1 or len(ranks) * jump != self.world_size:
+            raise ConfigError(
+                f"replica_ranks={ranks} must be evenly spaced across the whole group (the "
+                f"replicate dimension of a replicate-major mesh, e.g. [r, r + {jump}, ...] "
+                f"covering {self.world_size} ranks)"
+            )
+        return PairingPlan.build(self.world_size, jump)
+
+    def _describe_plan(self) -> str:
+        if self.hsdp:
+            return "HSDP replicas (no transfer at capture)" + (
+                f"; recovery from replica ranks via {self.plan.describe()}" if self.plan else ""
+            )
+        return self.plan.describe() if self.plan is not None else "no peer"
+
+    def _memory_tier(self) -> MemoryTier | None:
+        folder_path = self.config.memory_folder
+        if folder_path is None:
+            return None
+        try:
+            folder = MemoryFolder(
+                folder_path, run_id=self.run_id, topology=self.topology, rank=self.rank
+            )
+        except (ConfigError, OSError) as exc:
+            if self.config.memory_required:
+                raise
+            log.warning(
+                "rank %d: memory_folder %s is unusable (%s); in-memory checkpoints use process "
+                "memory and do not survive a crash of this process",
+                self.rank,
+                folder_path,
+                exc,
+            )
+            return None
+        removed = folder.remove_superseded_topologies()
+        if removed:
+            log.info(
+                "rank %d: removed memory slots of superseded topologies %s", self.rank, removed
+            )
+        peer_owner = None
+        if self.plan is not None and self.plan.has_peer and not self.hsdp:
+            peer_owner = self.plan.recv_from(self.rank)
+        return MemoryTier(
+            folder,
+            run_id=self.run_id,
+            topology=self.topology,
+            rank=self.rank,
+            peer_owner=peer_owner,
+            verify_integrity=self.config.verify_integrity,
+            required=self.config.memory_required,
+            slots=2 if peer_owner is None else 4,
+        )
+
+    def _agreed(self, what: str, fn: Callable[[], _T]) -> _T:
+        """Run a local setup step on every rank; if it fails on any rank, raise on every rank.
+
+        A folder refused on one rank (another user's, a link, a damaged manifest)
+        must not leave the other ranks waiting in the next collective.
+        """
+        error = ""
+        result = None
+        mine: BaseException | None = None
+        try:
+            result = fn()
+        except (ResiliencyError, OSError) as exc:
+            error, mine = f"{type(exc).__name__}: {exc}", exc
+        errors = self.control.all_gather_bytes(error.encode(), name=what)
+        failed = {r: e.decode() for r, e in enumerate(errors) if e}
+        if mine is not None:
+            raise mine  # this rank's own error, with its type; the others name this rank
+        if failed:
+            lines = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+            raise ResiliencyError(f"cannot {what} on rank(s) {sorted(failed)}: {lines}")
+        return result  # type: ignore[return-value]
+
+    def _open_local(self) -> list[Lineage | None]:
+        self._attach()
+        return self._local_lineages()
+
+    def _attach(self) -> None:
+        """Re-attach to the committed slots an earlier process of this rank left on this node."""
+        if self.tier is None:
+            return
+        attached, problems = self.tier.attach(pin=self.config.pin_memory)
+        for line in problems:
+            log.warning("rank %d: ignoring %s", self.rank, line)
+        own: list[Adopted] = []
+        held: list[Adopted] = []
+        for a, handle in attached:
+            r = a.record
+            adopted = Adopted(a.slot_name, handle, r.layout, r.step, r.state, r.timeline)
+            (own if r.identity.role == "own" else held).append(adopted)
+        self._engine.adopt(own)
+        if self._peer is not None:
+            self._peer.adopt(held)
+        else:
+            for h in held:
+                h.handle.release()
+        if attached:
+            log.info(
+                "rank %d: re-attached memory slots: own %s, held %s",
+                self.rank,
+                sorted(a.step for a in own),
+                sorted(a.step for a in held),
+            )
+
+    def _local_lineages(self) -> list[Lineage | None]:
+        found: list[Lineage | None] = []
+        if self.tier is not None:
+            found.append(self.tier.folder.read_lineage())
+        if Path(self.config.disk_folder).is_dir():
+            found.append(self.store().read_lineage())
+        return found
+
+    @staticmethod
+    def _publish_memory(tier: MemoryTier, lineage: Lineage, timeline: str) -> None:
+        tier.timeline = timeline
+        if tier.folder.dir_fd is not None:
+            tier.folder.write_lineage(lineage)
 
     # ------------------------------------------------------------------ capture
     def save(self, state: Any, step: int) -> None:
@@ -172,14 +350,16 @@ class InMemoryCheckpointManager:
         Returns after launching the copy; the cost does not grow with the state's
         bytes. Call :meth:`maybe_wait` before modifying the captured tensors again.
         Waits for the previous capture cycle (copy and replication) first.
-        Raises ``StateEncodingError`` (unsupported value, with its key path) and
-        ``CaptureError`` (an earlier background failure, with its step).
+        Raises ``StateEncodingError`` (unsupported value, with its key path),
+        ``MemoryFolderFull`` (``memory_required`` and the memory folder has no
+        room) and ``CaptureError`` (an earlier background failure, with its step).
         """
         self._check_open()
         if not self.config.enable:
             return
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int (the optimizer step)")
+        self.history.commit(None, None)  # no recovery decided before: this is a fresh timeline
         self._engine.capture(state, step)
 
     def maybe_wait(self) -> None:
@@ -197,15 +377,25 @@ class InMemoryCheckpointManager:
         if self._peer is not None:
             self._peer.replicate(slot)
         step = slot.step
-        every = self.config.disk_flush_interval
-        due = self._last_flushed is None or (step or 0) - self._last_flushed >= every
-        if every and step is not None and due:
-            self._last_flushed = step
+        if step is None:
+            return
+        previous = self._last_capture
+        self._last_capture = step
+        if self._flush_due(step, previous):
             self._flusher.submit(self._slots_at(step))
         with self._trust_lock:
             requested = step in self._persist_requested
-        if requested and step is not None:
+        if requested:
             self._flusher.submit(self._slots_at(step))  # a repeat of a due flush is a no-op
+
+    def _flush_due(self, step: int, previous: int | None) -> bool:
+        """A capture is persisted when a multiple of ``disk_flush_interval`` lies in
+        (previous capture, this capture]: interval 5 and flush 10 persist 10, 20, 30..."""
+        every = self.config.disk_flush_interval
+        if not every:
+            return False
+        before = previous if previous is not None else step - self.config.interval
+        return step // every > max(before, -1) // every
 
     def _slots_at(self, step: int) -> list[Slot]:
         slots = [s for s in self._engine.complete_slots() if s.step == step]
@@ -214,13 +404,63 @@ class InMemoryCheckpointManager:
         return slots
 
     def flush_newest(self) -> list[int]:
-        """Synchronously persist the newest complete own and peer slot (the signal path)."""
-        newest = self._engine.complete_slots()[:1]
-        if self._peer is not None:
-            newest += self._peer.complete_slots()[:1]
-        written = self._flusher.flush_newest(newest, self.config.signal_flush_deadline_s)
+        """Synchronously persist a consistent set of slots (the signal and exit path).
+
+        What is written: the newest step for which this rank holds both its own
+        slot and its peer's replica, then a newer own slot if there is one (see
+        ``consistent_newest``). One flush runs at a time; a call while one is
+        running (another thread, or the SIGTERM handler) joins it. Returns the
+        steps written.
+        """
+        return self._exit_flush.run()
+
+    def _flush_consistent(self) -> list[int]:
+        held = self._peer.complete_slots() if self._peer is not None else []
+        chosen = consistent_newest(self._engine.complete_slots(), held)
+        written = self._flusher.flush_newest(chosen, self.config.signal_flush_deadline_s)
         log.info("rank %d: flushed steps %s to %s", self.rank, written, self.config.disk_folder)
         return written
+
+    def _after_flush(self, owner: threading.Thread) -> None:
+        if self._signal is not None and owner is threading.main_thread():
+            self._signal.release_pending()
+
+    def _install_excepthook(self) -> None:
+        """An uncaught exception (a survivor's collective error) flushes slots that would die."""
+        previous = sys.excepthook
+
+        def hook(
+            exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+        ) -> None:
+            if not self._closed and not self.survives_process:
+                log.warning(
+                    "rank %d: exiting on %s; persisting the newest slots first (they live in "
+                    "process memory)",
+                    self.rank,
+                    exc_type.__name__,
+                )
+                try:
+                    self._exit_flush.run()
+                except Exception as err:  # the original error is what the user must see
+                    log.warning("rank %d: exit flush failed: %s", self.rank, err)
+            previous(exc_type, exc, tb)
+
+        self._excepthook = (hook, previous)
+        sys.excepthook = hook
+
+    def _stop_threads(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._flusher.close()
+        self._engine.close()
+        if self.tier is not None:
+            self.tier.close(remove=False)
+
+    @property
+    def survives_process(self) -> bool:
+        """Whether the in-memory slots outlive this process (on the memory filesystem)."""
+        return self.tier is not None and self.tier.survives_process
 
     def wait_persisted(self, timeout_s: float | None = None) -> bool:
         """Block until every scheduled node-local write finished (for tests and shutdown)."""
@@ -240,7 +480,17 @@ class InMemoryCheckpointManager:
                     verify_integrity=self.config.verify_integrity,
                     keep_generations=self.config.keep_generations,
                 )
+                history = getattr(self, "history", None)
+                if history is not None:
+                    store = self._store
+                    history.add_publisher(store.set_lineage)
             return self._store
+
+    def _disk_store(self) -> ShardStore | None:
+        # Files can only exist where the folder does; never create it just to look.
+        if self._store is not None or Path(self.config.disk_folder).is_dir():
+            return self.store()
+        return None
 
     def _trust(self, step: int) -> TrustStatus:
         if step in self._verified:
@@ -250,32 +500,68 @@ class InMemoryCheckpointManager:
     def mark_verified(self, step: int) -> None:
         """Record ``step`` as recovery-verified (normally SCOUT certification does this)."""
         self._verified.add(step)
-        self.store().mark_verified(step)
+        held = self._serves_owner()
+        self.store().mark_verified(step, (self.rank,) if held is None else (self.rank, held))
 
     # ------------------------------------------------------------------ recovery
+    def _serves_owner(self) -> int | None:
+        """The rank whose state this rank can serve (its replica's owner, or its HSDP partner)."""
+        if self.plan is None or not self.plan.has_peer:
+            return None
+        return self.plan.recv_from(self.rank)
+
+    def _sources(self) -> dict[Source, StepSource]:
+        eligible = self.history.eligible
+
+        def current(step: int, timeline: str | None) -> bool:
+            return timeline is None or eligible(step, timeline)
+
+        own_memory = MemorySlots(
+            Source.OWN_MEMORY, self._engine.complete_slots, eligible=current, consumes=True
+        )
+        sources: dict[Source, StepSource] = {
+            Source.OWN_MEMORY: own_memory,
+            Source.OWN_DISK: DiskShards(
+                Source.OWN_DISK, self._disk_store, self.rank, eligible=eligible, streamed=False
+            ),
+            Source.PEER_MEMORY: NoSource(Source.PEER_MEMORY),
+            Source.PEER_DISK: NoSource(Source.PEER_DISK),
+        }
+        owner = self._serves_owner()
+        if owner is not None:
+            if self._peer is not None:
+                sources[Source.PEER_MEMORY] = MemorySlots(
+                    Source.PEER_MEMORY, self._peer.complete_slots, eligible=current, consumes=False
+                )
+            elif self.hsdp:  # a replica's own slot holds the identical shard
+                sources[Source.PEER_MEMORY] = MemorySlots(
+                    Source.PEER_MEMORY,
+                    self._engine.complete_slots,
+                    eligible=current,
+                    consumes=False,
+                )
+            disk_owner = self.rank if self.hsdp else owner
+            sources[Source.PEER_DISK] = DiskShards(
+                Source.PEER_DISK, self._disk_store, disk_owner, eligible=eligible, streamed=True
+            )
+        return sources
+
     def _report(self) -> Report:
-        own_mem = {s.step for s in self._engine.complete_slots() if s.step is not None}
-        held_mem: set[int] = set()
-        if self._peer is not None:
-            held_mem = {s.step for s in self._peer.complete_slots() if s.step is not None}
-        own_disk: set[int] = set()
-        held_disk: set[int] = set()
+        self._engine.wait_idle()
+        self._flusher.wait_idle()
+        src = self._sources()
         verified = set(self._verified)
-        # Files can only exist where the folder does; never create it just to look.
-        if self._store is not None or Path(self.config.disk_folder).is_dir():
-            store = self.store()
-            own_disk = set(store.steps(self.rank))
-            if self.plan is not None and self.plan.has_peer:
-                held_disk = set(store.steps(self.plan.recv_from(self.rank)))
+        store = self._disk_store()
+        if store is not None:
             status = store.status()
             verified |= set(status.verified_history)
             if status.verified_step is not None:
                 verified.add(status.verified_step)
         return Report(
-            frozenset(own_mem),
-            frozenset(own_disk),
-            frozenset(held_mem),
-            frozenset(held_disk),
+            src[Source.OWN_MEMORY].steps(),
+            src[Source.OWN_DISK].steps(),
+            src[Source.PEER_MEMORY].steps(),
+            src[Source.PEER_DISK].steps(),
             frozenset(verified),
         )
 
@@ -284,37 +570,41 @@ class InMemoryCheckpointManager:
             return None
         return self.plan.send_to(rank)
 
-    def _gather(self, mode: RecoveryMode) -> tuple[list[dict[int, Source]], set[int]]:
-        self._engine.wait_idle()
-        self._flusher.wait_idle()
-        reports = gather_reports(self._report(), group=self._pg)
-        table = source_table(reports, self._holder_of)
-        common = set(table[0]).intersection(*table[1:]) if table else set()
-        if mode is RecoveryMode.RECOVERY_VERIFIED:
-            common = {s for s in common if all(s in r.verified for r in reports)}
-        return table, common
+    def _fetch_context(self) -> FetchContext:
+        return FetchContext(
+            rank=self.rank,
+            world_size=self.world_size,
+            control=self.control,
+            run_id=self.run_id,
+            plan=self.plan,
+            channel=self._channel,
+            sources=self._sources(),
+        )
 
     def find_latest(self, mode: RecoveryMode = RecoveryMode.LATEST) -> int | None:
         """Collective: the newest step every rank can obtain, or ``None``.
 
-        Each rank reports its own memory slots, its own node-local files and
-        what it holds for its peer (memory and disk); a newer step present on
-        only part of the job is never chosen. ``RECOVERY_VERIFIED`` restricts
-        the choice to steps every rank recorded as verified.
+        Each rank reports its own memory slots (re-attached from an earlier
+        process too), its own node-local files and what it can serve its peer
+        (memory and disk); a newer step present on only part of the job is
+        never chosen, and neither is a generation of a timeline this job does
+        not continue. ``RECOVERY_VERIFIED`` restricts the choice to steps every
+        rank recorded as verified.
         """
         self._check_open()
-        _, common = self._gather(RecoveryMode(mode))
-        return max(common) if common else None
+        return self._restorer.newest(RecoveryMode(mode))
 
     def load(self, step: int | None = None, *, mode: RecoveryMode = RecoveryMode.LATEST) -> Any:
         """Collective: this rank's state tree at ``step`` (default: the newest common one).
 
-        Each rank obtains its state from its cheapest source (own memory, own
-        disk, peer memory, peer disk), validated before anything is returned.
-        If any rank's state fails validation, every rank walks back to the next
-        older common step (LATEST) or fails closed (RECOVERY_VERIFIED). Without
-        any GEMINI step, ``load_fallback()`` is returned when given. Tensors are
-        CPU tensors, bit-identical to the captured ones, owned by the caller.
+        Each rank obtains its state from its cheapest source; a source that
+        fails validation (checksum, schema, decode, identity, transfer) makes
+        that rank try its next source for the same step before the job walks
+        back to an older common step (LATEST) or fails closed
+        (RECOVERY_VERIFIED). Every check happens before the ranks agree, so a
+        step is returned on every rank or on none. Without any GEMINI step,
+        ``load_fallback()`` is returned when given. Tensors are CPU tensors,
+        bit-identical to the captured ones, owned by the caller.
         ``last_recovery`` then says which step and sources were used. Raises
         ``NoConsistentStep``.
 
@@ -323,108 +613,40 @@ class InMemoryCheckpointManager:
         recoverable from the peer's replica and from disk where persisted).
         """
         self._check_open()
-        mode = RecoveryMode(mode)
-        t0 = time.perf_counter()
-        table, common = self._gather(mode)
-        t_agree = time.perf_counter() - t0
-        if step is not None and step not in common:
-            raise NoConsistentStep(
-                f"step {step} is not available on every rank in mode {mode.value}; "
-                f"common steps: {sorted(common)}. Call find_latest() first on every rank."
-            )
-        candidates = sorted((s for s in common if step is None or s <= step), reverse=True)
-        ctx = self._fetch_context()
-        failed: list[int] = []
-        for s in candidates:
-            t1 = time.perf_counter()
-            fetched = fetch_step(s, table, ctx)
-            if fetched is None:
-                failed.append(s)
-                if mode is RecoveryMode.RECOVERY_VERIFIED:
-                    raise NoConsistentStep(
-                        f"verified step {s} failed validation on at least one rank; "
-                        "failing closed (RECOVERY_VERIFIED never falls back to unverified state)"
-                    )
-                log.warning("rank %d: step %d unusable on some rank; walking back", self.rank, s)
-                continue
-            m = fetched.material
-            # Small tensors (RNG states, step counters) get storage of their own: some torch
-            # APIs, e.g. set_rng_state, ignore a view's storage offset. Large ones stay views
-            # of the private arena (no second copy).
-            t2 = time.perf_counter()
-            views = m.layout.views(m.arena)
-            tensors = [v.clone() if v.nbytes < _OWN_STORAGE_BYTES else v for v in views]
-            state = decode_state(m.document, tensors)
-            t3 = time.perf_counter()
-            phases = {"agree": t_agree, "fetch": t2 - t1, **fetched.phases_s, "decode": t3 - t2}
-            self._record(
-                RecoveryReport(s, [t[s].label for t in table], fetched.bytes_moved, failed, phases)
-            )
-            return state
-        if self.load_fallback is not None:
-            self._record(RecoveryReport(None, [Source.FALLBACK.label] * self.world_size, 0, failed))
-            return self.load_fallback()
-        raise NoConsistentStep(
-            f"rank {self.rank}: no {mode.value} GEMINI step is available on every rank "
-            f"(tried {failed or 'none'}) and no load_fallback was given; pass "
-            "load_fallback=<load your durable checkpoint> to recover from it"
-        )
+        outcome = self._restorer.load(step, RecoveryMode(mode), self.load_fallback)
+        self.last_recovery = outcome.report
+        chosen = outcome.report.step
+        if chosen is None:
+            self.history.commit(None, None)
+        else:
+            parent = self._timeline_of(chosen)
+            self.history.commit(parent, chosen)
+        return outcome.state
 
-    def _record(self, report: RecoveryReport) -> None:
-        self.last_recovery = report
-        log.info("gemini.recovery %s", json.dumps({"rank": self.rank, **asdict(report)}))
-
-    def _fetch_context(self) -> FetchContext:
-        def own_memory(step: int) -> Material | None:
-            # The caller gets the slot's arena itself: restoring from memory copies nothing
-            # (the slot allocates a fresh arena at its next capture, off the training thread).
-            for slot in self._engine.complete_slots():
-                if slot.step == step:
-                    return Material(*slot.take(step))
-            return None
-
-        def held_memory(step: int) -> Material | None:
-            # Served to its owner straight from the peer slot: nothing captures or rotates
-            # peer slots while every rank is inside load().
-            for slot in self._peer.complete_slots() if self._peer is not None else []:
-                if slot.step == step:
-                    with slot.reading(step) as s:
-                        assert s.layout is not None and s.arena is not None
-                        assert s.document is not None
-                        return Material(s.layout, s.arena, s.document)
-            return None
-
-        def own_disk(step: int) -> Material:
-            shard = self.store().read(owner_rank=self.rank, step=step)
-            return Material(shard.layout, shard.arena, shard.state_document)
-
-        def held_disk(step: int) -> ShardReader:
-            # Opened and header-checked only: the bytes stream to their owner chunk by
-            # chunk, verified there against the checksums stored with them.
-            return self.store().open_reader(owner_rank=peer_owner, step=step)
-
-        peer_owner = self.plan.recv_from(self.rank) if self.plan and self.plan.has_peer else -1
-        return FetchContext(
-            rank=self.rank,
-            group=self._pg,
-            run_id=self.run_id,
-            plan=self.plan,
-            channel=self._peer.channel if self._peer is not None else None,
-            own_memory=own_memory,
-            own_disk=own_disk,
-            held_memory=held_memory,
-            held_disk=held_disk,
-        )
+    def _timeline_of(self, step: int) -> str | None:
+        """The timeline of the recovered step (agreed: rank 0's view of its generation)."""
+        mine = None
+        for slot in self._engine.slots + (self._peer.slots if self._peer is not None else []):
+            if slot.step == step and slot.timeline is not None:
+                mine = slot.timeline
+        store = self._disk_store()
+        if mine is None and store is not None:
+            mine = store.timeline_of(self.rank, step)
+        if mine is None:
+            mine = self.history.lineage.head.id if self.history.lineage.head else ""
+        gathered = self.control.all_gather_bytes(mine.encode(), name="agree the recovered timeline")
+        chosen = next((g.decode() for g in gathered if g), "")
+        return chosen or None
 
     def drop_memory(self) -> None:
-        """Forget every in-memory slot, as a replaced process would (tests and drills)."""
+        """Lose every in-memory slot, files included, as a replacement node would (drills)."""
         self._engine.wait_idle()
         self._flusher.wait_idle()
         for s in self._engine.slots:
-            s.free()
+            s.discard()
         if self._peer is not None:
             for s in self._peer.slots:
-                s.free()
+                s.discard()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -455,27 +677,57 @@ class InMemoryCheckpointManager:
         """Host bytes held by all slots' arenas."""
         return sum(s.arena_bytes for s in self.slots().values())
 
-    def close(self) -> None:
-        """Finish in-flight work, optionally flush, stop the workers, free every arena."""
+    def finish(self) -> None:
+        """Mark the run finished (its last step is done); ``close()`` does it by default.
+
+        A later launch with the same run id and folders does not resume a
+        finished run unless ``resume="finished"``.
+        """
+        self._check_open()
+        self.history.finish(self._last_capture)
+
+    def close(self, *, finished: bool = True) -> None:
+        """Finish in-flight work, optionally flush, stop the workers, free every arena.
+
+        ``finished=True`` (a normal end of training, the default) marks the run
+        finished and removes its memory slots (unless ``keep_memory_on_close``);
+        ``finished=False`` (leaving on an error, or to continue later) keeps
+        them for a restarted process. The context manager passes
+        ``finished=False`` when an exception leaves the block.
+        """
         if self._closed:
             return
-        self._closed = True
         try:
             self._engine.wait_idle()
         except ResiliencyError as exc:
             log.warning("rank %d: closing after a failed capture: %s", self.rank, exc)
+            finished = False
         if self.config.flush_on_close:
             self.flush_newest()
         self._flusher.wait_idle()
+        if finished and self.config.enable:
+            try:
+                self.history.finish(self._last_capture)
+            except (OSError, UnsafePathError) as exc:
+                log.warning("rank %d: could not mark the run finished: %s", self.rank, exc)
+        self._closed = True
+        atexit.unregister(self._stop_threads)
         self._flusher.close()
         if self._signal is not None:
             self._signal.uninstall()
+        if self._excepthook is not None and sys.excepthook is self._excepthook[0]:
+            sys.excepthook = self._excepthook[1]
         self._engine.close()
         if self._peer is not None:
             self._peer.close()
+        elif self._channel is not None:
+            self._channel.close()
+        if self.tier is not None:
+            self.tier.close(remove=finished and not self.config.keep_memory_on_close)
         self._trust_jobs.shutdown(wait=True)
         if self._store is not None:
             self._store.close()
+        self.control.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -490,7 +742,7 @@ class InMemoryCheckpointManager:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(finished=exc_type is None)
 
     # ------------------------------------------------------------------ certification (SCOUT)
     def certify(self, step: int, trust: TrustStatus, *, persist: bool = True) -> None:
@@ -523,7 +775,8 @@ class InMemoryCheckpointManager:
             # _after_capture once it (and its replication) is complete.
             self._flusher.submit(self._slots_at(step))
         if trust is TrustStatus.RECOVERY_VERIFIED:
-            self._in_background(lambda: self.store().mark_verified(step), f"verify step {step}")
+            # mark_verified also publishes the trust markers next to the shards.
+            self._in_background(lambda: self.mark_verified(step), f"verify step {step}")
         else:
             self._in_background(lambda: self.store().mark_candidate(step), f"candidate {step}")
 
@@ -567,10 +820,9 @@ class InMemoryCheckpointManager:
         """
         if self._verdict is not None:
             return self._verdict
-        if self._store is None and not Path(self.config.disk_folder).is_dir():
-            return None
         self.wait_trust()
-        return self.store().status().verdict
+        store = self._disk_store()
+        return None if store is None else store.status().verdict
 
     def wait_trust(self, timeout_s: float | None = None) -> bool:
         """Block until every background trust update so far is written; False on timeout."""

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from lm_resiliency.capture.engine import Adopted
 from lm_resiliency.capture.layout import Layout
-from lm_resiliency.capture.slot import Slot, SlotState
+from lm_resiliency.capture.slot import ANONYMOUS, ArenaBacking, Slot, SlotState
 from lm_resiliency.errors import ReplicationError
 from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
 
@@ -47,13 +48,14 @@ class PeerReplicas:
         rank: int,
         run_id: str,
         pin_memory: bool,
+        backing: ArenaBacking = ANONYMOUS,
     ) -> None:
         self.channel = channel
         self.plan = plan
         self.rank = rank
         self.run_id = run_id
         self.pin_memory = pin_memory
-        self.slots = [Slot("peer_0"), Slot("peer_1")]
+        self.slots = [Slot("peer_0", backing=backing), Slot("peer_1", backing=backing)]
         self.stats = ReplicationStats()
 
     @property
@@ -71,6 +73,21 @@ class PeerReplicas:
     @property
     def recv_from(self) -> int:
         return self.plan.recv_from(self.rank)
+
+    def adopt(self, adopted: list[Adopted]) -> None:
+        """Take over replicas an earlier process held (newest step into ``peer_current``)."""
+        by_name = {s.name: s for s in self.slots}
+        for a in adopted:
+            by_name[a.slot_name].adopt(
+                a.handle,
+                a.layout,
+                step=a.step,
+                document=a.document,
+                owner_rank=self.recv_from,
+                timeline=a.timeline,
+            )
+        self.slots.sort(key=lambda s: s.step if s.complete and s.step is not None else -1)
+        self.slots.reverse()
 
     def complete_slots(self) -> list[Slot]:
         done = [s for s in self.slots if s.complete and s.step is not None]

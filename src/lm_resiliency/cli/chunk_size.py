@@ -27,10 +27,34 @@ def register(subparsers: Any) -> None:
             "max_ag_delay_fraction at the NIC bandwidth, clamped to [64 KiB, 64 MiB]."
         ),
     )
-    parser.add_argument("--nic-bandwidth-gbps", type=float, required=True, metavar="GBPS")
-    parser.add_argument("--layer-compute-ms", type=float, required=True, metavar="MS")
-    parser.add_argument("--ag-time-ms", type=float, required=True, metavar="MS")
-    parser.add_argument("--max-ag-delay-fraction", type=float, required=True, metavar="F")
+    parser.add_argument(
+        "--nic-bandwidth-gbps",
+        type=float,
+        required=True,
+        metavar="GBPS",
+        help="network bandwidth available to replication, in gigabits per second (e.g. 100)",
+    )
+    parser.add_argument(
+        "--layer-compute-ms",
+        type=float,
+        required=True,
+        metavar="MS",
+        help="compute time of one layer's forward/backward, in milliseconds (profile it)",
+    )
+    parser.add_argument(
+        "--ag-time-ms",
+        type=float,
+        required=True,
+        metavar="MS",
+        help="time of that layer's parameter all-gather (the prefetch), in milliseconds",
+    )
+    parser.add_argument(
+        "--max-ag-delay-fraction",
+        type=float,
+        required=True,
+        metavar="F",
+        help="share of the slack (compute - all-gather) a chunk may use, in (0, 1], e.g. 0.1",
+    )
     parser.set_defaults(func=run)
 
 

@@ -7,24 +7,35 @@ What it runs, on CPU with Gloo (about half a minute on 2 cores with the defaults
    replicates each capture to a peer rank and flushes to ``--disk-folder``
    every ``--flush-interval`` steps;
 2. after ``--fault-step`` rank ``--fault-rank`` is SIGKILLed (first attempt only);
-   the agent notices, SIGTERMs the survivors (GEMINI's signal handler persists
-   their newest own and peer slots) and restarts the worker group
-   (``--max-restarts 1``);
-3. the new workers call ``find_latest()`` and ``load()``, restore model,
+   the survivors' next collective fails and they exit on that error, as any
+   training script does; torchrun restarts the worker group
+   (``--max-restarts 1``). Every rank's memory slots are files on /dev/shm, so
+   they outlive the processes;
+3. the new workers re-attach to those slots, call ``find_latest()`` and
+   ``load()`` (every rank restores from its own memory), restore model,
    optimizer, RNG and data position, prime DDP's buckets and finish;
 4. a second, fault-free torchrun job of the same seed, steps and world size
    runs, and the final parameters and optimizer state of both are compared
    with ``torch.equal``.
 
-Exit status 0 only when the comparison passes; 1 otherwise; 2 for bad flags.
+Files: everything goes to a temporary folder /tmp/lmr-demo-* (events, torchrun
+logs and, without --disk-folder, GEMINI's node-local files); the demo says which
+it removes at the end (all of it, unless it fails or --keep-files is given). A
+demo stopped by SIGTERM or Ctrl-C stops its jobs and removes the folder too.
+
+Exit status 0 only when the comparison passes; 1 otherwise; 2 for bad flags;
+128 + the signal number when stopped by SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -52,23 +63,46 @@ def register(sub: Any) -> None:
         default=20,
         help="node-local flush every N steps (default 20; 0: only the SIGTERM flush)",
     )
-    p.add_argument("--fault-step", type=int, default=33, help="SIGKILL after this step (33)")
+    p.add_argument(
+        "--fault-step",
+        type=int,
+        default=None,
+        help="SIGKILL after this step (default: about 4/5 into the run, 33 of 40 steps)",
+    )
     p.add_argument("--fault-rank", type=int, default=1, help="the rank to SIGKILL (default 1)")
     p.add_argument(
         "--disk-folder",
         type=Path,
         default=None,
-        help="GEMINI node-local folder (default: a temporary folder, removed afterwards)",
+        help="GEMINI node-local folder, never removed (default: inside the demo's temporary "
+        "folder, removed afterwards unless --keep-files)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=300.0, help="bound per torchrun job")
     p.add_argument(
-        "--keep-files", action="store_true", help="keep the run folders (events, torchrun logs)"
+        "--timeout-s", type=float, default=300.0, help="bound per torchrun job in seconds (300)"
+    )
+    p.add_argument(
+        "--keep-files",
+        action="store_true",
+        help="keep the demo's temporary folder (events, torchrun logs, GEMINI files); it is "
+        "always kept when the demo fails",
     )
     p.set_defaults(func=run)
 
 
+def default_fault_step(steps: int, interval: int) -> int:
+    """About 4/5 into the run (33 of 40), after the first capture, before the last step."""
+    return max(interval, min(steps - 1, steps * 33 // 40))
+
+
 def _check(args: argparse.Namespace) -> None:
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        raise ConfigError(f"--timeout-s={args.timeout_s}: use a positive number of seconds")
+    for name in ("steps", "interval"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name}={getattr(args, name)}: use a positive number of steps")
+    if args.fault_step is None:
+        args.fault_step = default_fault_step(args.steps, args.interval)
     if args.world_size < 2:
         raise ConfigError(f"--world-size={args.world_size}: use at least 2 workers")
     if not 0 <= args.fault_rank < args.world_size:
@@ -101,17 +135,73 @@ def run(args: argparse.Namespace) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="lmr-demo-"))
     disk = args.disk_folder if args.disk_folder is not None else work / "gemini"
+    what = "events, torchrun logs" + (", GEMINI's files" if args.disk_folder is None else "")
+    fate = "kept (--keep-files)" if args.keep_files else "removed at the end unless the demo fails"
+    print(f"files: {work} ({what}) is {fate}")
+    if args.disk_folder is not None:
+        print(f"files: GEMINI's node-local files go to {disk} (--disk-folder: never removed)")
     t0 = time.monotonic()
     passed = False
+    stopped: str | None = None
+    previous = _stop_on_sigterm()
     try:
         passed = _demo(args, spec, work, disk)
+    except (_Stopped, KeyboardInterrupt) as exc:
+        stopped = exc.name if isinstance(exc, _Stopped) else "SIGINT"
     finally:
-        if args.keep_files or not passed:
-            print(f"run folders (events, torchrun logs) kept in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        _cleanup(work, what, keep=args.keep_files or not (passed or stopped), previous=previous)
+    if stopped is not None:
+        print(f"STOPPED by {stopped} after {time.monotonic() - t0:.1f} s")
+        return 128 + int(getattr(signal, stopped))
     print(f"{'PASS' if passed else 'FAIL'} in {time.monotonic() - t0:.1f} s")
     return 0 if passed else 1
+
+
+class _Stopped(Exception):
+    """SIGTERM arrived: unwind so the jobs are stopped and the temporary folder removed."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def _stop_on_sigterm() -> Any:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_stopped)
+
+
+def _cleanup(work: Path, what: str, *, keep: bool, previous: Any) -> None:
+    """Stop any job still running, then remove (or keep) the demo's temporary folder."""
+    from lm_resiliency.testing.torchrun import kill_running_jobs
+
+    main = threading.current_thread() is threading.main_thread()
+    if main:  # a second signal must not interrupt the cleanup half way
+        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
+    try:
+        kill_running_jobs()
+        if keep:
+            print(f"kept {work} ({what})")
+        else:
+            for _ in range(3):  # a killed worker may still have been creating a file
+                shutil.rmtree(work, ignore_errors=True)
+                if not work.exists():
+                    break
+                time.sleep(0.2)
+            print(f"removed {work} ({what}); --keep-files keeps it")
+    finally:
+        if main:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
@@ -123,7 +213,8 @@ def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
     print(
         f"lm-resiliency demo: {n} workers under torchrun (Gloo, CPU), tiny GPT on synthetic "
         f"text, {spec.steps} steps\n"
-        f"  GEMINI: capture every {spec.interval} steps, replicate to a peer rank, persist to "
+        f"  GEMINI: capture every {spec.interval} steps into memory slots on /dev/shm (they "
+        "outlive the worker), replicate to a peer rank, persist to "
         f"{disk} "
         + (f"every {spec.flush_interval} steps" if spec.flush_interval else "on SIGTERM only")
         + "\n"
@@ -137,7 +228,7 @@ def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
     done = _follow(job, run_dir, progress, args.timeout_s)
     summary = summarize(read_events(run_dir))
     if done.returncode != 0:
-        print(f"the job failed (torchrun exit {done.returncode}); its output:\n{done.describe()}")
+        print(f"the job failed; full logs in {run_dir}:\n{done.brief()}")
         return False
     _report(summary)
 
@@ -153,7 +244,7 @@ def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
     ref_job = start_job(ref_spec, ref_dir, disk, nproc=n, run_id=f"demo-ref-{tag}", max_restarts=0)
     ref = ref_job.wait(args.timeout_s)
     if ref.returncode != 0:
-        print(f"the reference job failed (exit {ref.returncode}):\n{ref.describe()}")
+        print(f"the reference job failed; full logs in {ref_dir}:\n{ref.brief()}")
         return False
     print(f"  done in {time.monotonic() - t_ref:.1f} s")
     comparison = compare_final(run_dir, ref_dir)
@@ -238,13 +329,15 @@ def _report(summary: Any) -> None:
         print("no recovery happened (did the fault fire?)")
         return
     print(f"failure: rank {rec.fault_rank} SIGKILLed after step {rec.fault_step}")
+    exited = sorted(summary.peer_lost)
+    if exited:
+        print(f"  ranks {exited}: their next collective failed; they exited on the error")
     for rank in summary.sigterm_ranks:
         flushed = _flushed(rank, summary.flushed_on_sigterm.get(rank, {}))
         print(f"  rank {rank}: SIGTERM -> GEMINI's signal flush wrote {flushed}")
     print(f"recovery: all ranks agreed on step {rec.step} (the newest step every rank can load)")
     for rank, source in sorted(rec.sources.items()):
-        via = _written_by(rank, rec.step, summary.flushed_on_sigterm) if "disk" in source else ""
-        print(f"  rank {rank}: {source}{via}")
+        print(f"  rank {rank}: {source}{_how(rank, source, rec.step, summary)}")
     if rec.walked_back_from:
         print(f"  walked back past unusable steps {rec.walked_back_from}")
     print(
@@ -257,9 +350,19 @@ def _report(summary: Any) -> None:
             print(f"  {name:<10} {rec.phases_s[name]:7.3f} s  {what}")
 
 
+def _how(rank: int, source: str, step: int, summary: Any) -> str:
+    if source == "own memory":
+        return " (its memory slot, re-attached by the restarted worker)"
+    if source == "peer memory":
+        return " (the replica its peer holds in memory, sent over the network)"
+    if "disk" in source:
+        return _written_by(rank, step, summary.flushed_on_sigterm)
+    return ""
+
+
 _PHASES = {
-    "detection": "kill -> torchrun's SIGTERM to the survivors",
-    "restart": "SIGTERM -> new workers spawned (survivors flush and exit, re-rendezvous)",
+    "detection": "kill -> a survivor noticed (its collective failed, or SIGTERM)",
+    "restart": "-> new workers spawned (survivors exit, re-rendezvous)",
     "startup": "new workers: interpreter, imports, process group, GEMINI manager",
     "agreement": "find_latest(): every rank's sources gathered, newest common step",
     "load": "load() + restoring model, optimizer, RNG, data position + priming DDP",

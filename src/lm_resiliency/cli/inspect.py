@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
-from lm_resiliency.persistence.catalog import RunInfo, ShardInfo, scan, to_json
+from lm_resiliency.config import default_memory_folder
+from lm_resiliency.errors import UnsafePathError
+from lm_resiliency.memory.catalog import MemoryRun, scan_memory
+from lm_resiliency.memory.catalog import to_json as memory_json
+from lm_resiliency.persistence.catalog import RunInfo, ShardInfo, problems, scan, to_json
 
 
 def register(subparsers: Any) -> None:
@@ -19,38 +24,79 @@ def register(subparsers: Any) -> None:
             "List every run, topology, generation (step) and rank shard under DIR with its size "
             "and trust status, plus each rank's status sidecar. Headers are always validated "
             "(format, identity, tensor table, size); --verify also reads every shard and checks "
-            "its CRC-32C values. Read-only. Exit code 1 when any shard is unavailable."
+            "its CRC-32C values. Entries owned by another user, writable by group or others, "
+            "or of the wrong kind (a symlink, a FIFO) are problems. Read-only; run it as the "
+            "job's user."
+        ),
+        epilog=(
+            "exit status: 0 every shard usable (with --verify: and every CRC checked); "
+            "1 a shard is unavailable or an entry is unsafe; 2 DIR cannot be read or is itself "
+            "unsafe; 3 (--verify only) everything usable, but some shards were written without "
+            "checksums, so their data was NOT verified (write with verify_integrity=True)"
         ),
     )
     parser.add_argument("dir", metavar="DIR", help="the disk_folder of the checkpoint config")
     parser.add_argument("--verify", action="store_true", help="read all data and check every CRC")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead")
+    parser.add_argument(
+        "--memory-folder",
+        default=default_memory_folder(),
+        help="also list the memory slots in this memory_folder (default: %(default)s)",
+    )
     parser.set_defaults(func=run)
 
 
-def _problems(runs: list[RunInfo]) -> list[ShardInfo]:
+#: ``--verify`` found nothing wrong but could not check the data of some shards.
+EXIT_UNVERIFIED = 3
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the catalog and return the exit status (see the parser's epilog)."""
+    try:
+        runs = scan(args.dir, verify=args.verify)
+    except (OSError, UnsafePathError) as exc:
+        print(f"lm-resiliency inspect: error: cannot read {args.dir}: {exc}", file=sys.stderr)
+        return 2
+    memory = scan_memory(args.memory_folder)
+    unverified = _unverified(runs) if args.verify else []
+    bad_slots = [s for r in memory for rank in r.ranks for s in rank.slots if s.problem]
+    code = 1 if problems(runs) or bad_slots else (EXIT_UNVERIFIED if unverified else 0)
+    try:
+        if args.json:
+            doc = {
+                "dir": args.dir,
+                "verify": args.verify,
+                "runs": to_json(runs),
+                "memory_folder": args.memory_folder,
+                "memory": memory_json(memory),
+            }
+            print(json.dumps(doc, indent=1))
+        else:
+            _print_table(args.dir, runs, verify=args.verify)
+            _print_memory(args.memory_folder, memory)
+            if unverified:
+                print(
+                    f"NOT verified: {len(unverified)} shard(s) have no checksums, so --verify "
+                    "could not check their data (they were written with verify_integrity=False)"
+                )
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (``inspect ... | head``): stop quietly, like other tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return code
+
+
+def _unverified(runs: list[RunInfo]) -> list[ShardInfo]:
     return [
         shard
         for run in runs
         for topo in run.topologies
         for gen in topo.generations
         for shard in gen.shards
-        if shard.problem is not None
+        if shard.problem is None and not shard.checksums
     ]
-
-
-def run(args: argparse.Namespace) -> int:
-    """Print the catalog; 0 when every shard is usable, 1 otherwise, 2 when DIR is unreadable."""
-    try:
-        runs = scan(args.dir, verify=args.verify)
-    except OSError as exc:
-        print(f"lm-resiliency inspect: error: cannot read {args.dir}: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({"dir": args.dir, "verify": args.verify, "runs": to_json(runs)}, indent=1))
-    else:
-        _print_table(args.dir, runs, verify=args.verify)
-    return 1 if _problems(runs) else 0
 
 
 def _size(nbytes: int) -> str:
@@ -66,7 +112,7 @@ def _shard_state(shard: ShardInfo, verify: bool) -> str:
     if shard.problem is not None:
         return f"UNAVAILABLE ({shard.problem})"
     if not shard.checksums:
-        return "ok, no checksums"
+        return "ok, NOT verified (no checksums)" if verify else "ok, no checksums"
     return "ok, CRC verified" if verify else "ok"
 
 
@@ -89,5 +135,25 @@ def _print_table(folder: str, runs: list[RunInfo], *, verify: bool) -> None:
                 print(f"    status rank {rank}: {json.dumps(status)}")
             for stray in topo.stray:
                 print(f"    other entry: {stray}")
-    for shard in _problems(runs):
-        print(f"problem: {shard.detail}")
+    for line in problems(runs):
+        print(f"problem: {line}")
+
+
+def _print_memory(folder: str, runs: list[MemoryRun]) -> None:
+    if not runs:
+        print(f"{folder}: no memory slots")
+        return
+    for run in runs:
+        print(f"memory run {run.name}  run_id={run.run_id!r}  in {folder}")
+        print(f"    {'rank':>5}  {'slot':<12}  {'state':<10}  {'step':>8}  {'owner':>5}  size")
+        for rank in run.ranks:
+            live = "held by a live process" if rank.live else "no live process"
+            for slot in rank.slots:
+                state = f"PROBLEM: {slot.problem}" if slot.problem else slot.state
+                step = "-" if slot.step is None else str(slot.step)
+                owner = "-" if slot.owner_rank is None else str(slot.owner_rank)
+                print(
+                    f"    {rank.rank:>5}  {slot.name:<12}  {state:<10}  {step:>8}  {owner:>5}"
+                    f"  {_size(slot.size_bytes)}"
+                )
+            print(f"    rank {rank.rank}: {live}")

@@ -17,6 +17,7 @@ _COMMANDS = (
     "demo",
     "chunk_size",
     "inspect",
+    "clean",
     "train",
 )
 

@@ -2,15 +2,18 @@
 
 Starts ``--nproc`` ranks through torchrun's elastic launcher (c10d rendezvous
 on 127.0.0.1, a free port, Gloo on CPU), trains the tiny GPT model on
-synthetic tokens, and prints the aborts, retries, rollbacks, the recovery time
-(ETTR) of each abort and the throughput::
+synthetic tokens, and prints the aborts, retries, rollbacks, the ETTR of each
+abort (effective time to recovery: from detecting the bad step to being ready
+to run it again) and the throughput::
 
     python -m mtgs.trainer --mode baseline --steps 5
     python -m mtgs.trainer --mode mtgs --steps 5 --mtgs-force-abort-step 2
     python -m mtgs.trainer --mode mtgs --faults nan_grad@1:3,optimizer_exception@0:4
 
-Exit code 0 when every rank finished, 1 when training failed (the error of
-each failed rank is printed), 2 for invalid arguments.
+Exit code 0 when every rank finished with a finite loss, 1 when training
+failed (the error of each failed rank is printed) or the loss is NaN/inf, 2 for
+invalid arguments. Without ``--log-dir`` the events and ETTR files go to a
+temporary folder that is removed at the end (kept when the run fails).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -84,7 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no commit confirmation after optimizer.step()",
     )
-    parser.add_argument("--mtgs-max-retries", type=int, default=2, metavar="N")
+    parser.add_argument(
+        "--mtgs-max-retries",
+        type=int,
+        default=2,
+        metavar="N",
+        help="retries of an aborted step before the run fails (default 2)",
+    )
     parser.add_argument(
         "--faults",
         default="",
@@ -95,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-dir",
         type=Path,
         default=None,
-        help="where ranks write events/ETTR/results (default: a new temp dir)",
+        help="keep the ranks' events, ETTR and results here (default: a temporary folder, "
+        "removed at the end unless the run fails)",
     )
     parser.add_argument(
         "--pg-timeout-s",
@@ -114,34 +126,43 @@ def register(subparsers: Any) -> None:
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     add_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, prog="lm-resiliency train")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m mtgs.trainer``."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_arguments(parser)
+    parser.set_defaults(prog=PROG)
     return run(parser.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
     """Validate, launch the ranks, print the summary; returns the exit code."""
+    prog = getattr(args, "prog", PROG)
     try:
         settings = _settings(args)
     except ConfigError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     log_dir = Path(settings["log_dir"])
+    temporary = args.log_dir is None
     run_file = log_dir / "run.json"
     run_file.write_text(json.dumps(settings))
     print(
         f"[train] mode={args.mode} model={args.model} ranks={args.nproc} steps={args.steps} "
-        f"logs={log_dir}",
+        f"logs={log_dir}" + (" (temporary)" if temporary else ""),
         flush=True,
     )
-    launched_ok = _launch(settings, run_file)
-    results = _results(log_dir, args.nproc)
-    return _summarize(args, results, launched_ok, log_dir)
+    code = 1
+    try:
+        launched_ok = _launch(settings, run_file)
+        results = _results(log_dir, args.nproc)
+        code = _summarize(args, results, launched_ok, log_dir, temporary=temporary)
+    finally:
+        if temporary and code == 0:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    return code
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -167,6 +188,11 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     for f in schedule:
         if f.rank >= args.nproc:
             raise ConfigError(f"fault {f.spec()} names rank {f.rank} but --nproc={args.nproc}")
+        if f.step > args.steps:
+            raise ConfigError(
+                f"fault {f.spec()} is at step {f.step}, outside the run's steps 1..{args.steps}; "
+                f"use a step <= --steps={args.steps} (or raise --steps)"
+            )
     if args.model == "distilbert":
         from lm_resiliency.models.hf import INSTALL_HINT, transformers_available
 
@@ -238,16 +264,32 @@ def _results(log_dir: Path, nproc: int) -> dict[int, dict[str, Any]]:
 
 
 def _summarize(
-    args: argparse.Namespace, results: dict[int, dict[str, Any]], launched_ok: bool, log_dir: Path
+    args: argparse.Namespace,
+    results: dict[int, dict[str, Any]],
+    launched_ok: bool,
+    log_dir: Path,
+    *,
+    temporary: bool = False,
 ) -> int:
     failed = {r: res["error"] for r, res in results.items() if "error" in res}
     missing = [r for r in range(args.nproc) if r not in results]
-    if failed or missing or not launched_ok:
+    not_finite = {
+        r: next(i for i, x in enumerate(res["losses"], 1) if not math.isfinite(x))
+        for r, res in results.items()
+        if "error" not in res and not all(math.isfinite(x) for x in res.get("losses", []))
+    }
+    if failed or missing or not launched_ok or not_finite:
         for rank, error in sorted(failed.items()):
             print(f"[train] rank {rank} failed: {error}", file=sys.stderr)
         for rank in missing:
             print(f"[train] rank {rank} died without a result (killed?)", file=sys.stderr)
-        print(f"[train] FAILED; events and ETTR in {log_dir}", file=sys.stderr)
+        for rank, step in sorted(not_finite.items()):
+            why = " (baseline has no transaction to catch it)" if args.mode == "baseline" else ""
+            print(
+                f"[train] rank {rank}: the loss is not finite from step {step} on{why}",
+                file=sys.stderr,
+            )
+        print(f"[train] FAILED; events and ETTR kept in {log_dir}", file=sys.stderr)
         return 1
     r0 = results[0]
     ettr_ms = [ns / 1e6 for ns in r0["ettr_ns"]]
@@ -263,8 +305,16 @@ def _summarize(
     )
     print(f"[train] ETTR {ettr}")
     print(
+        "[train]   (ETTR: effective time to recovery, from detecting a bad step to ready to retry)"
+    )
+    print(
         f"[train] tokens/s={r0['tokens_per_s']:.0f} (all ranks, first step excluded) "
         f"final loss={loss:.4f}"
     )
-    print(f"[train] OK; events and ETTR in {log_dir}")
+    if temporary:
+        print(
+            "[train] OK (events and ETTR removed with the temporary folder; --log-dir keeps them)"
+        )
+    else:
+        print(f"[train] OK; events and ETTR in {log_dir}")
     return 0

@@ -40,7 +40,6 @@ class DemoSpec:
     hold_step: int = 0
     """Idle in a heartbeat after this step until a peer is lost; 0: never."""
     pg_timeout_s: float = 30.0
-    orphan_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.interval < 1 or self.flush_interval < 0:
@@ -63,7 +62,6 @@ class DemoSpec:
             "--flush-interval", str(self.flush_interval), "--seed", str(self.seed),
             "--fault-step", str(self.fault_step), "--fault-rank", str(self.fault_rank),
             "--hold-step", str(self.hold_step), "--pg-timeout-s", str(self.pg_timeout_s),
-            "--orphan-wait-s", str(self.orphan_wait_s),
         ]  # fmt: skip
 
 

@@ -2,9 +2,10 @@
 
 Phases of a recovery, from the records of the workers (wall clock, one machine):
 
-* ``detection``: the SIGKILL -> the first SIGTERM from torchrun's agent (it noticed);
-* ``restart``: that SIGTERM -> the first process of the new worker group started
-  (survivors flush and exit, the agent re-runs the rendezvous and spawns);
+* ``detection``: the SIGKILL -> the first survivor noticed (its collective failed,
+  or torchrun's agent sent it SIGTERM, whichever came first);
+* ``restart``: that moment -> the first process of the new worker group started
+  (survivors exit, the agent re-runs the rendezvous and spawns);
 * ``startup``: new processes started -> every manager ready (interpreter and
   imports, process group, manager construction: run id, topology, replication
   edges);
@@ -113,13 +114,13 @@ def _recovery(
     total = None
     if fault_t is not None:
         after = [r for r in records if float(r["t"]) >= fault_t]
-        sigterm = _first(after, "sigterm")
+        noticed = [float(r["t"]) for r in after if r["event"] in ("sigterm", "peer_lost")]
         started = [float(r["t"]) for r in after if r["event"] == "started"]
         ready = [float(r["t"]) for r in after if r["event"] == "manager_ready"]
         resumed = [float(r["t"]) for r in after if r["event"] == "resumed"]
-        if sigterm is not None and started:
-            phases["detection"] = float(sigterm["t"]) - fault_t
-            phases["restart"] = min(started) - float(sigterm["t"])
+        if noticed and started:
+            phases["detection"] = min(noticed) - fault_t
+            phases["restart"] = min(started) - min(noticed)
         if started and ready:
             phases["startup"] = max(ready) - min(started)
         phases["agreement"] = max(float(r["find_latest_s"]) for r in last.values())

@@ -9,10 +9,12 @@ Per worker process:
    GEMINI manager (run id from ``LM_RESILIENCY_RUN_ID``, stable across restarts);
 2. recovers: ``find_latest()`` then ``load()`` on every rank; restores model,
    optimizer, RNG and data position and primes DDP's buckets; a first
-   generation finds nothing and starts at step 1;
-3. trains with the contract's loop (``maybe_wait`` before ``optimizer.step``,
-   ``save`` every ``--interval`` steps, node-local flush every
-   ``--flush-interval`` steps);
+   generation finds nothing and starts at step 1. The memory slots of the
+   previous generation's processes are files on ``/dev/shm`` (the manager's
+   ``memory_folder``), so a restarted worker recovers from memory;
+3. trains with the contract's loop, verbatim (``maybe_wait`` before
+   ``optimizer.step``, ``save`` every ``--interval`` steps, node-local flush
+   every ``--flush-interval`` steps); nothing catches errors;
 4. writes the final parameters and optimizer state to
    ``<run-dir>/final-state.safetensors`` (rank 0) and a digest per rank.
 
@@ -25,10 +27,10 @@ fault already happened, so a restarted or replacement worker never repeats it):
   peer is lost (the node-loss test kills a node from outside), or until
   ``<run-dir>/hold-released`` exists.
 
-A rank whose collective fails because a peer died does not exit on its own: it
-waits (``--orphan-wait-s``) for the launcher to stop it, as a rank stuck in an
-NCCL collective would. torchrun's SIGTERM then runs GEMINI's signal flush, which
-persists the newest own and peer slot, and the process exits by the signal.
+A rank whose collective fails because a peer died exits on that error, like
+any real training script: its committed memory slots stay on the node for the
+next generation. (If torchrun's SIGTERM arrives first, GEMINI's signal flush
+also persists a consistent set of slots to disk.)
 
 Everything the parent learns comes from JSON-lines records
 (:mod:`lm_resiliency.demo.events`) and the safetensors file; nothing is pickled.
@@ -42,7 +44,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -77,7 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--hold-step", type=int, default=0, help="0: never hold")
     p.add_argument("--pg-timeout-s", type=float, default=30.0)
-    p.add_argument("--orphan-wait-s", type=float, default=60.0)
     return p
 
 
@@ -88,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ["RANK"])
     events = EventLog(args.run_dir, rank=rank, attempt=restart_count())
     events.emit("started", t=process_start_time())
+    _record_exit_errors(events)
     init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout_s))
     events.emit("group_formed", world_size=dist.get_world_size())
     trainer = Trainer(args.seed, rank=rank, world_size=dist.get_world_size())
@@ -110,13 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_id=manager.run_id,
         sends_to=plan.send_to(rank) if plan is not None and plan.has_peer else None,
     )
-    try:
-        start = _recover(manager, trainer, events) + 1
-        _train(args, manager, trainer, events, rank, start)
-        manager.wait_persisted()
-        dist.barrier()
-    except RuntimeError as exc:  # torch's distributed errors derive from RuntimeError
-        return _orphaned(events, exc, args.orphan_wait_s)
+    start = _recover(manager, trainer, events) + 1
+    _train(args, manager, trainer, events, rank, start)
+    manager.wait_persisted()
+    dist.barrier()
     final = trainer.final_tensors()
     if rank == 0:
         save_file(final, str(args.run_dir / FINAL_STATE))
@@ -210,16 +208,15 @@ def _hold(
         time.sleep(_HEARTBEAT_S)
 
 
-def _orphaned(events: EventLog, exc: BaseException, wait_s: float) -> int:
-    events.emit("peer_lost", error=f"{type(exc).__name__}: {str(exc)[:400]}")
-    trace = "".join(traceback.format_exception(exc))
-    print(f"rank {events.rank}: a collective failed; waiting for the launcher to stop this "
-          f"worker\n{trace}", file=sys.stderr, flush=True)  # fmt: skip
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        time.sleep(0.05)  # SIGTERM handlers run between these sleeps
-    events.emit("gave_up", waited_s=wait_s)
-    return 1
+def _record_exit_errors(events: EventLog) -> None:
+    """Record the error a survivor exits on (observability only: nothing is caught)."""
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        events.emit("peer_lost", error=f"{exc_type.__name__}: {str(exc)[:400]}")
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
 
 
 def _on_sigterm(action: Any) -> None:

@@ -8,6 +8,7 @@ Schema (every key required, no others)::
      "layout": <Layout.to_json()>, "state": {<non-tensor state document>},
      "integrity": null | {"algorithm": "crc32c", "chunk_bytes": int > 0,
                           "chunks": ["%08x", ...]},
+     "timeline": str | null,          (optional: absent in files written before timelines)
      "document_crc32c": "%08x"}
 
 ``integrity`` (present with ``verify_integrity``) holds one CRC-32C per
@@ -51,6 +52,7 @@ _KEYS = {
     "integrity",
     "document_crc32c",
 }
+_OPTIONAL_KEYS = {"timeline"}
 _INTEGRITY_KEYS = {"algorithm", "chunk_bytes", "chunks"}
 _HEX8 = re.compile(r"[0-9a-f]{8}")
 LEGACY_ADVICE = (
@@ -87,6 +89,8 @@ class ShardDocument:
     layout: Layout
     state: dict[str, Any]
     integrity: Integrity | None
+    timeline: str | None = None
+    """The timeline that wrote the shard (see ``persistence.lineage``), if recorded."""
 
 
 def chunk_count(total_bytes: int, chunk_bytes: int) -> int:
@@ -109,6 +113,7 @@ def build(
     layout: Layout,
     state: dict[str, Any],
     chunk_bytes: int | None,
+    timeline: str | None = None,
 ) -> dict[str, Any]:
     """The document for a new shard, with zeroed chunk CRCs when ``chunk_bytes`` is given.
 
@@ -131,6 +136,7 @@ def build(
         "layout": layout.to_json(),
         "state": state,
         "integrity": None,
+        "timeline": timeline,
     }
     if chunk_bytes is not None:
         doc["integrity"] = {
@@ -187,7 +193,7 @@ def parse(doc: Any, path: str | Path) -> ShardDocument:
             f"format_version={version} was written by a newer release (this one reads "
             f"{FORMAT_VERSION}); upgrade lm-resiliency to load it",
         )
-    if set(doc) != _KEYS:
+    if not _KEYS <= set(doc) <= _KEYS | _OPTIONAL_KEYS:
         raise unavailable(_R.SCHEMA, path, f"document keys {sorted(doc)} != {sorted(_KEYS)}")
     problems = []
     for key in ("run_id", "topology"):
@@ -200,6 +206,9 @@ def parse(doc: Any, path: str | Path) -> ShardDocument:
         problems.append(f"trust={doc['trust']!r} is not one of {[t.value for t in TrustStatus]}")
     if not isinstance(doc["state"], dict):
         problems.append("state must be a JSON object")
+    timeline = doc.get("timeline")
+    if timeline is not None and not (isinstance(timeline, str) and 0 < len(timeline) <= 128):
+        problems.append(f"timeline={timeline!r:.60} must be a short string or null")
     if problems:
         raise unavailable(_R.SCHEMA, path, "; ".join(problems))
     integrity = _parse_integrity(doc, path)
@@ -227,7 +236,9 @@ def parse(doc: Any, path: str | Path) -> ShardDocument:
             f"in chunks of {integrity.chunk_bytes}",
         )
     identity = ShardIdentity(doc["run_id"], doc["topology"], doc["owner_rank"], doc["step"])
-    return ShardDocument(identity, TrustStatus(doc["trust"]), layout, doc["state"], integrity)
+    return ShardDocument(
+        identity, TrustStatus(doc["trust"]), layout, doc["state"], integrity, timeline
+    )
 
 
 def _parse_integrity(doc: dict[str, Any], path: str | Path) -> Integrity | None:

@@ -33,6 +33,7 @@ from typing import Any
 import crc32c
 import torch
 
+from lm_resiliency._killpoints import kill_point
 from lm_resiliency.capture import Layout, populate
 from lm_resiliency.errors import StateEncodingError
 from lm_resiliency.persistence import document
@@ -40,7 +41,6 @@ from lm_resiliency.persistence._safefs import pread_exact, preadinto_exact, pwri
 from lm_resiliency.persistence.document import ShardDocument, ShardIdentity
 from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
 from lm_resiliency.persistence.trust import TrustStatus
-from lm_resiliency.testing import kill_point
 
 METADATA_KEY = "lm_resiliency"
 #: The largest header safetensors itself accepts; ours is bounded the same.
@@ -94,6 +94,24 @@ def _safetensors_dtype(dtype: torch.dtype, name: str) -> str:
             f"tensor {name!r} has dtype {dtype}, which safetensors cannot store; "
             f"convert it to one of: {supported}"
         ) from None
+
+
+def check_storable(layout: Layout) -> None:
+    """Raise ``StateEncodingError`` if a shard cannot store one of ``layout``'s dtypes.
+
+    Names the first such tensor (in state order) by its key path and lists the
+    dtypes that work. Called by the capture engine whenever a ``save()``'s
+    layout is (re)built, so ``save()`` fails on the caller's thread instead of
+    every later flush.
+    """
+    for spec in sorted(layout.specs, key=lambda s: s.index):
+        if spec.dtype not in SAFETENSORS_DTYPES:
+            supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in SAFETENSORS_DTYPES))
+            raise StateEncodingError(
+                f"cannot encode state at {spec.name!r}: a tensor of dtype {spec.dtype} cannot be "
+                "stored in a node-local shard (safetensors has no such dtype); convert it to "
+                f"one of: {supported} (e.g. complex128 -> torch.view_as_real(t), a float64 pair)"
+            )
 
 
 def tensor_table(layout: Layout) -> dict[str, dict[str, Any]]:
@@ -152,6 +170,7 @@ def write_shard(
     trust: TrustStatus,
     integrity: bool,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    timeline: str | None = None,
 ) -> int:
     """Write a complete shard to ``fd`` from offset 0; return its size in bytes.
 
@@ -165,6 +184,7 @@ def write_shard(
         layout=layout,
         state=state_document,
         chunk_bytes=chunk_bytes if integrity else None,
+        timeline=timeline,
     )
     header = encode_header(layout, doc)
     write_all(fd, memoryview(header))

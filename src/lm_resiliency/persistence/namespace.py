@@ -62,6 +62,14 @@ def shard_file(owner_rank: int) -> str:
     return f"rank-{owner_rank}.safetensors"
 
 
+TRUST_MARKER_KIND = "lm_resiliency.trust"
+
+
+def trust_marker_file(owner_rank: int) -> str:
+    """File name of the trust marker of ``owner_rank``'s shard inside a step directory."""
+    return f"trust-rank-{owner_rank}.json"
+
+
 def sidecar_file(rank: int) -> str:
     """File name of ``rank``'s status sidecar inside the topology directory."""
     return f"status-rank-{rank}.json"
@@ -94,7 +102,11 @@ def parse_sidecar_file(name: str) -> int | None:
 
 
 def read_manifest(dir_fd: int, name: str, *, where: str) -> dict[str, Any] | None:
-    """A manifest's JSON object, ``None`` if absent or unreadable (never follows a link)."""
+    """A manifest's JSON object, ``None`` if absent or unreadable (never follows a link).
+
+    ``where`` is the manifest's path for messages. Raises ``UnsafePathError`` when the
+    entry is a symlink, FIFO, device or a file of another user (never blocks on it).
+    """
 
     try:
         fd = open_file_nofollow(dir_fd, name, os.O_RDONLY, where=where)
@@ -112,6 +124,7 @@ def read_manifest(dir_fd: int, name: str, *, where: str) -> dict[str, Any] | Non
 
 
 def _ensure(dir_fd: int, name: str, *, kind: str, key: str, value: str, where: str) -> None:
+    where = os.path.join(where, name)
     doc = read_manifest(dir_fd, name, where=where)
     if doc is None:
         body = {"kind": kind, "version": 1, key: value}
@@ -125,7 +138,10 @@ def _ensure(dir_fd: int, name: str, *, kind: str, key: str, value: str, where: s
 
 
 def ensure_run_manifest(dir_fd: int, run_id: str, *, where: str) -> None:
-    """Write ``run.json`` naming ``run_id`` if absent; ``IdentityMismatch`` if it names another."""
+    """Write ``run.json`` naming ``run_id`` if absent; ``IdentityMismatch`` if it names another.
+
+    ``where`` is the run directory's path. Raises ``UnsafePathError`` for an unsafe entry.
+    """
     _ensure(dir_fd, RUN_MANIFEST, kind=_RUN_KIND, key="run_id", value=run_id, where=where)
 
 

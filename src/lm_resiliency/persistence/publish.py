@@ -16,13 +16,22 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lm_resiliency.persistence._safefs import FILE_MODE, check_name, entry_kind
+from lm_resiliency.errors import UnsafePathError
+from lm_resiliency.persistence._safefs import (
+    FILE_MODE,
+    check_file_fd,
+    check_name,
+    entry_kind,
+    open_file_nofollow,
+)
 
+log = logging.getLogger(__name__)
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _PID_NS = "/proc/self/ns/pid"
 _UNKNOWN_BOOT = "unknown"
@@ -142,10 +151,42 @@ def reap_stale_temps(dir_fd: int, *, target: str | None = None) -> int:
 
 @dataclass(frozen=True)
 class Recycled:
-    """An existing file (a retired generation) to overwrite in place instead of a new file."""
+    """An existing file (a retired generation) to overwrite in place instead of a new file.
+
+    ``identity`` is the ``(st_dev, st_ino)`` recorded when it was set aside.
+    """
 
     dir_fd: int
     name: str
+    identity: tuple[int, int]
+
+
+def _open_recycled(dir_fd: int, tmp: str, recycle: Recycled) -> int | None:
+    """Rename the spare to ``tmp`` and open it for overwriting, if it is still ours alone.
+
+    ``None`` (our link removed, nothing written) when it is no longer the file
+    we parked, has gained a hard link, or is not a regular file of ours.
+    Raises ``FileNotFoundError`` when the spare is gone.
+    """
+    os.rename(recycle.name, tmp, src_dir_fd=recycle.dir_fd, dst_dir_fd=dir_fd)
+    fd = None
+    try:
+        fd = open_file_nofollow(dir_fd, tmp, os.O_WRONLY, where=tmp)
+        check_file_fd(fd, tmp, sole_link=True, identity=recycle.identity)
+    except (UnsafePathError, FileNotFoundError) as exc:
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)  # drops only our link: the other one is untouched
+        log.info("not overwriting spare %s (%s); writing a new file", recycle.name, exc)
+        return None
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    return fd
 
 
 def publish(
@@ -160,21 +201,26 @@ def publish(
     ``write(fd)`` writes the whole content from offset 0 and returns its size
     in bytes. With ``recycle``, that file is first renamed to our temp name and
     overwritten in place (then truncated to the size), which skips the block
-    allocation of a new file. On any failure the temp is removed and the error
-    re-raised; the final name then still shows its previous content, if any.
+    allocation of a new file - but only after its descriptor proved it is the
+    file that was set aside (same device and inode), a regular file of ours
+    with a single link; otherwise our link to it is removed and a new file is
+    written. Nothing else is ever written in place. On any failure the temp is
+    removed and the error re-raised; the final name then still shows its
+    previous content, if any. Raises ``FileNotFoundError`` when the spare to
+    recycle has vanished (nothing written).
     """
     check_name(final_name)
     tmp = temp_name(final_name)
-    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    if recycle is not None:
-        os.rename(recycle.name, tmp, src_dir_fd=recycle.dir_fd, dst_dir_fd=dir_fd)
-    else:
-        flags |= os.O_CREAT | os.O_EXCL
+    fd = _open_recycled(dir_fd, tmp, recycle) if recycle is not None else None
+    in_place = fd is not None
     try:
-        fd = os.open(tmp, flags, FILE_MODE, dir_fd=dir_fd)
+        if fd is None:
+            fd = open_file_nofollow(
+                dir_fd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, where=tmp, mode=FILE_MODE
+            )
         try:
             size = write(fd)
-            if recycle is not None:
+            if in_place:
                 os.ftruncate(fd, size)
             os.fsync(fd)
         finally:

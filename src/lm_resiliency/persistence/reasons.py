@@ -19,6 +19,8 @@ class UnavailableReason(str, enum.Enum):
     MISSING = "missing"
     SYMLINK = "symlink"
     NOT_A_FILE = "not_a_file"
+    FOREIGN_OWNER = "foreign_owner"
+    WRITABLE_BY_OTHERS = "writable_by_others"
     IO_ERROR = "io_error"
     TRUNCATED = "truncated"
     HEADER_TOO_LARGE = "header_too_large"

@@ -13,6 +13,13 @@ therefore renamed to a hidden temp name of our scope and handed to the next
 write as its temp file. The peak disk use is unchanged (``keep`` generations
 plus one file, as during any write); a spare left by a process that died is a
 stale temp of its scope and is reaped like any other.
+
+Only a file we alone hold is ever parked: a regular file of ours with one
+link (a second link is a ``cp -al`` / ``rsync --link-dest`` backup, or a link
+planted to a file outside the folder, and overwriting it would change that
+file). Its device and inode are recorded, and the writer checks them (and the
+link count, again) on the open descriptor before it overwrites anything; see
+:func:`lm_resiliency.persistence.publish.publish`.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from lm_resiliency.persistence._safefs import judge
 from lm_resiliency.persistence.publish import temp_name
 
 #: Spares kept per store: one per owner it usually writes (its own and one peer's).
@@ -46,6 +55,16 @@ def newest_verified(steps: Sequence[int], is_verified: Callable[[int], bool]) ->
     return None
 
 
+@dataclass(frozen=True)
+class Spare:
+    """A parked file: its temp name and what it was when we parked it."""
+
+    name: str
+    size_bytes: int
+    identity: tuple[int, int]
+    """``(st_dev, st_ino)``: the writer overwrites only this very file."""
+
+
 class SparePool:
     """Retired files parked in one directory, to be overwritten by the next write.
 
@@ -56,20 +75,27 @@ class SparePool:
     def __init__(self, limit: int = MAX_SPARES) -> None:
         self._limit = limit
         self._lock = threading.Lock()
-        self.names: dict[str, int] = {}  # spare name -> size in bytes
+        self.names: dict[str, Spare] = {}
 
-    def park(self, src_dir_fd: int, name: str, spare_dir_fd: int) -> bool:
-        """Move ``name`` into the pool if there is room; ``False`` means delete it instead."""
+    def park(self, src_dir_fd: int, name: str, spare_dir_fd: int, *, where: str = "") -> bool:
+        """Move ``name`` into the pool if there is room and it is ours alone.
+
+        ``False`` means: delete it instead (unlinking drops only our link, so a
+        hard-linked backup or outside file survives). Parked are only regular
+        files owned by us, not writable by others, with exactly one link.
+        """
         with self._lock:
             if len(self.names) >= self._limit:
                 return False
-            size = os.stat(name, dir_fd=src_dir_fd, follow_symlinks=False).st_size
+            st = os.stat(name, dir_fd=src_dir_fd, follow_symlinks=False)
+            if judge(st, where or name, expect="file") is not None or st.st_nlink != 1:
+                return False
             spare = temp_name("spare")
             os.rename(name, spare, src_dir_fd=src_dir_fd, dst_dir_fd=spare_dir_fd)
-            self.names[spare] = size
+            self.names[spare] = Spare(spare, st.st_size, (st.st_dev, st.st_ino))
             return True
 
-    def take(self, want_bytes: int) -> str | None:
+    def take(self, want_bytes: int) -> Spare | None:
         """The spare that fits ``want_bytes`` best (smallest large enough, else largest).
 
         Never waits: a signal-time flush must not block on a lock the
@@ -80,13 +106,14 @@ class SparePool:
         try:
             if not self.names:
                 return None
-            fits = [n for n, size in self.names.items() if size >= want_bytes]
+            spares = list(self.names.values())
+            fits = [s for s in spares if s.size_bytes >= want_bytes]
             if fits:
-                name = min(fits, key=lambda n: self.names[n])
+                spare = min(fits, key=lambda s: s.size_bytes)
             else:
-                name = max(self.names, key=lambda n: self.names[n])
-            del self.names[name]
-            return name
+                spare = max(spares, key=lambda s: s.size_bytes)
+            del self.names[spare.name]
+            return spare
         finally:
             self._lock.release()
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lm_resiliency.errors import SidecarUnavailable
+from lm_resiliency.errors import SidecarUnavailable, UnsafePathError
 from lm_resiliency.persistence._safefs import open_file_nofollow, pread_exact
 from lm_resiliency.persistence.namespace import sidecar_file
 from lm_resiliency.persistence.publish import publish_bytes
@@ -284,7 +284,9 @@ def read_status(
     """Read ``rank``'s sidecar; ``None`` if it does not exist (nothing recorded yet).
 
     Retries undecodable bytes for up to ``retry_s``; after that, and for any
-    identity, schema or trust mismatch at once, raises ``SidecarUnavailable``.
+    identity, schema or trust mismatch at once, raises ``SidecarUnavailable``
+    - also, without waiting, for a symlink, FIFO, device or a file owned by
+    another user in its place (``reason`` as in ``UnsafePathError``).
     """
     deadline = time.monotonic() + retry_s
     pause_s = 0.002
@@ -293,6 +295,13 @@ def read_status(
             fd = open_file_nofollow(topo_fd, sidecar_file(rank), os.O_RDONLY, where=where)
         except FileNotFoundError:
             return None
+        except UnsafePathError as exc:  # a link, FIFO, device or another user's file
+            raise SidecarUnavailable(
+                f"status sidecar {where} is unusable ({exc.reason}): {exc}; the rank's trust "
+                "status is treated as unknown (recovery falls back to the common verified step)",
+                reason=exc.reason,
+                path=where,
+            ) from None
         try:
             raw = pread_exact(fd, _MAX_SIDECAR_BYTES, 0)
         finally:

@@ -13,6 +13,13 @@ the flush chains at once.
 The flush runs on a helper thread so the deadline holds even when it blocks;
 if it overruns, the process still ends and its half-written temp file is
 reaped by the next writer of the same scope.
+
+A signal that arrives while the main thread itself is inside a flush (say,
+an exception handler called ``flush_newest()``) must not wait for that flush
+from the handler - the handler runs *on* the main thread, so the flush could
+never finish. With ``busy`` given, such a signal is only recorded; the
+flush's owner calls :meth:`SignalFlush.release_pending` when it is done,
+which chains the signal then. The flush is neither torn nor written twice.
 """
 
 from __future__ import annotations
@@ -39,10 +46,16 @@ class SignalFlush:
     """
 
     def __init__(
-        self, flush: Callable[[], object], deadline_s: float, signals: Sequence[int]
+        self,
+        flush: Callable[[], object],
+        deadline_s: float,
+        signals: Sequence[int],
+        busy: Callable[[], bool] | None = None,
     ) -> None:
         self._flush = flush
         self._deadline_s = deadline_s
+        self._busy = busy
+        self._pending: tuple[int, FrameType | None] | None = None
         self._previous: dict[int, _Handler] = {}
         self._started = threading.Event()
         self.fired_signal: int | None = None
@@ -68,6 +81,12 @@ class SignalFlush:
             self.flush_error = exc
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._busy is not None and self._busy():
+            # The main thread is inside a flush right now (we interrupted it): let it
+            # finish, then chain from there (release_pending).
+            self._pending = (signum, frame)
+            self.fired_signal = signum
+            return
         if not self._started.is_set():
             self._started.set()
             self.fired_signal = signum
@@ -82,6 +101,14 @@ class SignalFlush:
             elif self.flush_error is not None:
                 log.error("%s: flush failed: %r", name, self.flush_error)
         self._chain(signum, frame)
+
+    def release_pending(self) -> None:
+        """Chain a signal that arrived during a main-thread flush (call when it is done)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._started.set()
+            self.flushed = True
+            self._chain(*pending)
 
     def _chain(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous.get(signum)
@@ -106,6 +133,7 @@ def install_flush_on_signal(
     *,
     deadline_s: float,
     signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+    busy: Callable[[], bool] | None = None,
 ) -> SignalFlush:
     """Run ``flush()`` (bounded by ``deadline_s``) when one of ``signals`` arrives, then chain.
 
@@ -118,4 +146,4 @@ def install_flush_on_signal(
     """
     if not deadline_s > 0:
         raise ConfigError(f"deadline_s={deadline_s!r} must be > 0 seconds (the signal grace time)")
-    return SignalFlush(flush, float(deadline_s), tuple(signals))
+    return SignalFlush(flush, float(deadline_s), tuple(signals), busy)

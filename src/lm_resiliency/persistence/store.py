@@ -19,9 +19,9 @@ and retention wait).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
-import stat
 import threading
 import weakref
 from collections.abc import Callable
@@ -36,6 +36,7 @@ from lm_resiliency.errors import ConfigError, ShardUnavailable, SidecarUnavailab
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence._safefs import (
     entry_kind,
+    judge,
     open_file_nofollow,
     open_subdir,
     opened_dir,
@@ -47,7 +48,8 @@ from lm_resiliency.persistence.format import (
     read_header,
     write_shard,
 )
-from lm_resiliency.persistence.publish import Recycled, publish, reap_stale_temps
+from lm_resiliency.persistence.lineage import Lineage, lineage_file, read_lineage, write_lineage
+from lm_resiliency.persistence.publish import Recycled, publish, publish_bytes, reap_stale_temps
 from lm_resiliency.persistence.reader import ShardReader
 from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
 from lm_resiliency.persistence.retention import SparePool, newest_verified, plan_retention
@@ -120,9 +122,15 @@ def open_shard(
     return fd, header
 
 
+_UNSAFE_REASONS = {
+    "symlink": _R.SYMLINK,
+    "foreign_owner": _R.FOREIGN_OWNER,
+    "writable_by_others": _R.WRITABLE_BY_OTHERS,
+}
+
+
 def _refused(path: Path, exc: UnsafePathError) -> ShardUnavailable:
-    reason = _R.SYMLINK if "symlink" in str(exc) else _R.NOT_A_FILE
-    return unavailable(reason, path, str(exc))
+    return unavailable(_UNSAFE_REASONS.get(exc.reason, _R.NOT_A_FILE), path, str(exc))
 
 
 class ShardStore:
@@ -176,6 +184,11 @@ class ShardStore:
         self._lock = threading.Lock()
         self._spares = SparePool() if recycle_files else None
         self._trust_cache: dict[tuple[int, int], TrustStatus] = {}
+        self._reported: set[tuple[int, int, str]] = set()  # (step, owner, why) warned
+        self._timeline_cache: dict[tuple[int, int], str | None] = {}
+        self.lineage = Lineage()
+        self.timeline: str | None = None
+        """Timeline recorded in every shard this store writes (set by the manager)."""
         with opened_dir(self.root, self._parts[:1], create=True) as run_fd:
             ns.ensure_run_manifest(run_fd, run_id, where=str(self.root / self._parts[0]))
             reap_stale_temps(run_fd)
@@ -185,8 +198,13 @@ class ShardStore:
             try:
                 loaded = self._read_sidecar(topo_fd, rank)
             except SidecarUnavailable as exc:
-                log.warning("%s", exc)
-                loaded = None
+                loaded = self._rebuild_status(topo_fd)
+                log.warning(
+                    "%s; rebuilt it from the shards' own metadata (verified steps %s)",
+                    exc,
+                    list(loaded.verified_history),
+                )
+                write_status(topo_fd, loaded)
         self._status = loaded or SidecarStatus(run_id=run_id, topology=topology, rank=rank)
         self._finalizer = weakref.finalize(self, _drop_spares, self.root, self._parts, self._spares)
 
@@ -226,6 +244,7 @@ class ShardStore:
         """
         ident = self._identity(owner_rank, step)
         want_bytes = layout.total_bytes
+        timeline = self.timeline
 
         def _write(fd: int) -> int:
             return write_shard(
@@ -237,6 +256,7 @@ class ShardStore:
                 trust=TrustStatus(trust),
                 integrity=self.verify_integrity,
                 chunk_bytes=self.chunk_bytes,
+                timeline=timeline,
             )
 
         with opened_dir(self.root, self._parts, create=True) as topo_fd:
@@ -260,6 +280,7 @@ class ShardStore:
                     os.close(step_fd)
             with self._lock:
                 self._trust_cache[(owner_rank, step)] = TrustStatus(trust)
+                self._timeline_cache[(owner_rank, step)] = timeline
                 self._status = self._status.with_persisted(owner_rank, step)
                 write_status(topo_fd, self._status)
                 self._retain(topo_fd, owner_rank)
@@ -277,60 +298,127 @@ class ShardStore:
         spare = self._spares.take(want_bytes) if self._spares is not None else None
         if spare is not None:
             try:
-                publish(step_fd, name, write, recycle=Recycled(topo_fd, spare))
+                publish(step_fd, name, write, recycle=Recycled(topo_fd, spare.name, spare.identity))
                 return
             except FileNotFoundError:
-                log.debug("spare %s vanished; writing a new file", spare)
+                log.debug("spare %s vanished; writing a new file", spare.name)
         publish(step_fd, name, write)
 
     # -- retention ---------------------------------------------------------------
 
     def _retain(self, topo_fd: int, owner_rank: int) -> None:
+        """Retire this owner's generations that the lineage superseded, then all but the newest
+        ``keep_generations`` (and the newest verified) of those on the current history.
+
+        A generation of a timeline the lineage does not know (another job's) is
+        never deleted; neither is the newest verified generation on the history.
+        """
         steps = self._steps_in(topo_fd, owner_rank)
         history = set(self._status.verified_history)
+        lineage = self.lineage
+        current: list[int] = []
+        for step in steps:
+            timeline = self._timeline_of(owner_rank, step)
+            if lineage.superseded(step, timeline):
+                self._retire(topo_fd, owner_rank, step)
+            elif lineage.eligible(step, timeline):
+                current.append(step)
 
         def verified(step: int) -> bool:
-            return step in history or self._trust(topo_fd, owner_rank, step) is (
-                TrustStatus.RECOVERY_VERIFIED
+            return (
+                step in history
+                or self._trust(owner_rank, step) is TrustStatus.RECOVERY_VERIFIED
+                or _has_marker(topo_fd, step, owner_rank)
             )
 
-        keep_verified = newest_verified(steps, verified)
-        for step in plan_retention(steps, keep=self.keep_generations, verified_step=keep_verified):
+        keep_verified = newest_verified(current, verified)
+        for step in plan_retention(
+            current, keep=self.keep_generations, verified_step=keep_verified
+        ):
             self._retire(topo_fd, owner_rank, step)
 
-    def _trust(self, topo_fd: int, owner_rank: int, step: int) -> TrustStatus | None:
-        cached = self._trust_cache.get((owner_rank, step))
-        if cached is not None:
-            return cached
+    def _trust(self, owner_rank: int, step: int) -> TrustStatus | None:
+        if (owner_rank, step) not in self._trust_cache:
+            self._read_facts(owner_rank, step)
+        return self._trust_cache.get((owner_rank, step))
+
+    def _timeline_of(self, owner_rank: int, step: int) -> str | None:
+        if (owner_rank, step) not in self._timeline_cache:
+            self._read_facts(owner_rank, step)
+        return self._timeline_cache.get((owner_rank, step))
+
+    def timeline_of(self, owner_rank: int, step: int) -> str | None:
+        """The timeline recorded in ``owner_rank``'s shard of ``step`` (``None``: unrecorded
+        or unreadable; reading it fully validates later)."""
+        return self._timeline_of(owner_rank, step)
+
+    def _read_facts(self, owner_rank: int, step: int) -> None:
         path = self.path_for(owner_rank, step)
         try:
             with opened_dir(self.root, (*self._parts, ns.step_dir(step)), create=False) as d:
                 fd, header = open_shard(d, owner_rank, path, None, verify_integrity=False)
                 os.close(fd)
         except (OSError, ShardUnavailable, UnsafePathError):
-            return None
+            return
         self._trust_cache[(owner_rank, step)] = header.doc.trust
-        return header.doc.trust
+        self._timeline_cache[(owner_rank, step)] = header.doc.timeline
 
     def _retire(self, topo_fd: int, owner_rank: int, step: int) -> None:
         name, dname = ns.shard_file(owner_rank), ns.step_dir(step)
         self._trust_cache.pop((owner_rank, step), None)
+        self._timeline_cache.pop((owner_rank, step), None)
         try:
             step_fd = open_subdir(topo_fd, dname, create=False, where=dname)
         except (FileNotFoundError, UnsafePathError):
             return
         try:
+            where = str(self.path_for(owner_rank, step))
             if entry_kind(step_fd, name) == "file" and not (
-                self._spares is not None and self._spares.park(step_fd, name, topo_fd)
+                self._spares is not None and self._spares.park(step_fd, name, topo_fd, where=where)
             ):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=step_fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ns.trust_marker_file(owner_rank), dir_fd=step_fd)
             os.fsync(step_fd)
         finally:
             os.close(step_fd)
         with contextlib.suppress(OSError):  # not empty: another owner's shard or a foreign temp
             os.rmdir(dname, dir_fd=topo_fd)
         os.fsync(topo_fd)
+
+    def _rebuild_status(self, topo_fd: int) -> SidecarStatus:
+        """This rank's trust record rebuilt from the shards on this node (damaged sidecar).
+
+        A step counts as verified when its shard says so or carries a trust
+        marker; persisted steps are the newest shard of each owner.
+        """
+        owners: dict[int, list[int]] = {}
+        for name in os.listdir(topo_fd):
+            step = ns.parse_step_dir(name)
+            if step is None or entry_kind(topo_fd, name) != "dir":
+                continue
+            with contextlib.suppress(FileNotFoundError, UnsafePathError, OSError):
+                step_fd = open_subdir(topo_fd, name, create=False, where=name)
+                try:
+                    for entry in os.listdir(step_fd):
+                        owner = ns.parse_shard_file(entry)
+                        if owner is not None:
+                            owners.setdefault(owner, []).append(step)
+                finally:
+                    os.close(step_fd)
+        status = SidecarStatus(run_id=self.run_id, topology=self.topology, rank=self.rank)
+        verified = sorted(
+            s
+            for s in owners.get(self.rank, [])
+            if self._trust(self.rank, s) is TrustStatus.RECOVERY_VERIFIED
+            or _has_marker(topo_fd, s, self.rank)
+        )
+        for step in verified[-self.history_limit :]:
+            status = status.with_verified(step, history_limit=self.history_limit)
+        for owner, steps in owners.items():
+            status = status.with_persisted(owner, max(steps))
+        return status
 
     # -- reading -----------------------------------------------------------------
 
@@ -382,12 +470,19 @@ class ShardStore:
         """Steps with a published shard of ``owner_rank`` in this run and topology, ascending.
 
         Listing only: a listed step may still fail :meth:`read`'s validation.
-        Symlinked step directories and shards are never listed.
+        Nothing unsafe is listed (a symlink, a FIFO, an entry of another user or
+        writable by others); an unsafe run or topology folder lists nothing and
+        is logged once as a warning naming it.
         """
         try:
             with opened_dir(self.root, self._parts, create=False) as topo_fd:
                 return self._steps_in(topo_fd, owner_rank)
-        except (FileNotFoundError, UnsafePathError):
+        except FileNotFoundError:
+            return []
+        except UnsafePathError as exc:
+            if (-1, owner_rank, exc.path) not in self._reported:
+                self._reported.add((-1, owner_rank, exc.path))
+                log.warning("rank %d: no step of this folder is used: %s", self.rank, exc)
             return []
 
     def _steps_in(self, topo_fd: int, owner_rank: int) -> list[int]:
@@ -396,14 +491,23 @@ class ShardStore:
             step = ns.parse_step_dir(name)
             if step is None or entry_kind(topo_fd, name) != "dir":
                 continue
+            shard_name = f"{name}/{ns.shard_file(owner_rank)}"
             try:
-                shard = os.stat(
-                    f"{name}/{ns.shard_file(owner_rank)}", dir_fd=topo_fd, follow_symlinks=False
-                )
+                step_st = os.stat(name, dir_fd=topo_fd, follow_symlinks=False)
+                shard = os.stat(shard_name, dir_fd=topo_fd, follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISREG(shard.st_mode):  # a regular file, not a link
+            # Only a regular file of ours in a directory of ours counts: a link, a FIFO or
+            # an entry another user planted is never offered to recovery.
+            where = str(self.topology_path / shard_name)
+            problem = judge(step_st, str(self.topology_path / name), expect="dir") or judge(
+                shard, where, expect="file"
+            )
+            if problem is None:
                 found.append(step)
+            elif (step, owner_rank, problem.reason) not in self._reported:
+                self._reported.add((step, owner_rank, problem.reason))  # once, not per write
+                log.warning("rank %d: step %d is not used: %s", self.rank, step, problem)
         return sorted(found)
 
     # -- status sidecar ------------------------------------------------------------
@@ -416,10 +520,57 @@ class ShardStore:
         """Record ``step`` as this rank's candidate and publish the sidecar."""
         return self._update(lambda s: s.with_candidate(_nonneg("step", step)))
 
-    def mark_verified(self, step: int) -> SidecarStatus:
-        """Add ``step`` to this rank's recovery-verified history and publish the sidecar."""
+    def mark_verified(self, step: int, owners: tuple[int, ...] = ()) -> SidecarStatus:
+        """Add ``step`` to this rank's recovery-verified history and publish the sidecar.
+
+        For each of ``owners`` whose shard of ``step`` is on this node a small
+        trust marker is published next to it, so the verdict survives a damaged
+        sidecar (retention and a rebuilt sidecar read it back).
+        """
         limit = self.history_limit
-        return self._update(lambda s: s.with_verified(_nonneg("step", step), history_limit=limit))
+        status = self._update(lambda s: s.with_verified(_nonneg("step", step), history_limit=limit))
+        for owner in owners:
+            self._write_marker(step, owner)
+        return status
+
+    def _write_marker(self, step: int, owner_rank: int) -> None:
+        try:
+            with opened_dir(self.root, (*self._parts, ns.step_dir(step)), create=False) as d:
+                if entry_kind(d, ns.shard_file(owner_rank)) != "file":
+                    return
+                body = json.dumps(
+                    {
+                        "kind": ns.TRUST_MARKER_KIND,
+                        "run_id": self.run_id,
+                        "topology": self.topology,
+                        "owner_rank": owner_rank,
+                        "step": step,
+                        "trust": TrustStatus.RECOVERY_VERIFIED.value,
+                    }
+                ).encode()
+                publish_bytes(d, ns.trust_marker_file(owner_rank), body)
+        except (FileNotFoundError, UnsafePathError):
+            return
+
+    def set_lineage(self, lineage: Lineage, timeline: str | None) -> None:
+        """Adopt the job's lineage and the timeline to record in new shards; publish it here."""
+        with self._lock:
+            self.lineage, self.timeline = lineage, timeline
+            with opened_dir(self.root, self._parts, create=True) as topo_fd:
+                write_lineage(
+                    topo_fd, lineage_file(self.rank), lineage, run_id=self.run_id, rank=self.rank
+                )
+
+    def read_lineage(self) -> Lineage | None:
+        """This rank's lineage file on this node, if any (``None`` when absent or damaged)."""
+        try:
+            with opened_dir(self.root, self._parts, create=False) as topo_fd:
+                where = str(self.topology_path / lineage_file(self.rank))
+                return read_lineage(
+                    topo_fd, lineage_file(self.rank), run_id=self.run_id, where=where
+                )
+        except (FileNotFoundError, UnsafePathError):
+            return None
 
     def mark_rejected(self, step: int, reason: str) -> SidecarStatus:
         """Record ``step`` as rejected (by SCOUT) with ``reason`` and publish the sidecar.
@@ -494,6 +645,17 @@ class ShardStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _has_marker(topo_fd: int, step: int, owner_rank: int) -> bool:
+    try:
+        d = open_subdir(topo_fd, ns.step_dir(step), create=False, where=ns.step_dir(step))
+    except (FileNotFoundError, UnsafePathError):
+        return False
+    try:
+        return entry_kind(d, ns.trust_marker_file(owner_rank)) == "file"
+    finally:
+        os.close(d)
 
 
 def _drop_spares(root: Path, parts: tuple[str, ...], spares: SparePool | None) -> None:

@@ -6,6 +6,7 @@ loopback; ``kill_point`` lets a scheduled rank SIGKILL itself at a named point.
 
 from __future__ import annotations
 
-from lm_resiliency.testing.launcher import kill_point, run_distributed
+from lm_resiliency._killpoints import kill_point
+from lm_resiliency.testing.launcher import run_distributed
 
 __all__ = ["kill_point", "run_distributed"]

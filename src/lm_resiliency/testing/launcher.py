@@ -27,7 +27,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -38,24 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lm_resiliency._killpoints import KILL_ENV
 from lm_resiliency.errors import CollectiveTimeout, RankFailure, RankFailures
 
-_KILL_ENV = "LM_RESILIENCY_TEST_KILL"
+_KILL_ENV = KILL_ENV
 _HOST = "127.0.0.1"
-
-
-def kill_point(name: str) -> None:
-    """SIGKILL this process if the launcher scheduled this rank to die at ``name``.
-
-    Call it anywhere in code run by :func:`run_distributed`; it does nothing
-    unless the run was started with ``kill={rank: name}`` for this rank. The
-    process dies without cleanup, exactly like an OOM kill or a lost node.
-    """
-    target = os.environ.get(_KILL_ENV)
-    if target is not None and target == name:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _child(
@@ -117,7 +103,8 @@ def run_distributed(
     Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
     (from ``ranks_per_node``, default: all ranks on one node), ``GROUP_RANK``,
     ``MASTER_ADDR`` and ``MASTER_PORT`` like torchrun sets them, plus ``env``
-    and ``rank_env[rank]``. ``kill`` maps a rank to the :func:`kill_point`
+    and ``rank_env[rank]`` (and the parent's ``LM_RESILIENCY_*`` variables).
+    ``kill`` maps a rank to the :func:`kill_point`
     name at which it SIGKILLs itself; such ranks return ``None``.
 
     Returns the per-rank results in rank order. Raises
@@ -147,6 +134,9 @@ def run_distributed(
             "GROUP_RANK": str(rank // per_node),
             "MASTER_ADDR": _HOST,
             "MASTER_PORT": str(store.port),
+            # The forkserver's children do not see later changes to our environment:
+            # forward this library's own settings (e.g. a test's memory folder) explicitly.
+            **{k: v for k, v in os.environ.items() if k.startswith("LM_RESILIENCY_")},
             **(env or {}),
             **((rank_env or {}).get(rank, {})),
         }

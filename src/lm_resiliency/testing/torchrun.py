@@ -2,7 +2,8 @@
 
 For tests and the demo: ``run_torchrun(["train.py", "--steps", "8"], nproc=4,
 max_restarts=1, timeout_s=120)`` starts ``python -m torch.distributed.run`` with a
-c10d rendezvous on a free loopback port, waits, and returns a
+c10d rendezvous on loopback port 0 (the agent binds a free port itself, so no
+other process can take it in between), waits, and returns a
 :class:`CompletedRun` holding the agent's output and every worker's output per
 attempt. Workers learn their attempt from ``TORCHELASTIC_RESTART_COUNT`` (set by
 torchrun; see :func:`lm_resiliency.distributed.restart_count`).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -36,11 +38,16 @@ __all__ = [
     "TorchrunJob",
     "WorkerLog",
     "free_port",
+    "kill_running_jobs",
     "run_torchrun",
     "start_torchrun",
 ]
 
 _TERM_GRACE_S = 5.0
+# Lines of C++ stack frames torch appends to errors; a summary leaves them out.
+_FRAME_RE = re.compile(r"^\s*(frame #\d+:|Exception raised from |\[rank\d+\]:\s*frame #)")
+# Strong references: a job whose caller's frame was unwound by a signal must still be found.
+_LIVE: set[TorchrunJob] = set()
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,31 @@ class CompletedRun:
         """The stdout of each worker of ``attempt``, in local-rank order."""
         return [w.stdout for w in self.workers if w.attempt == attempt]
 
+    def brief(self, max_lines: int = 6) -> str:
+        """A short failure summary for people: status, and the last lines of each stream.
+
+        Keeps the last ``max_lines`` meaningful lines of the agent's stderr and of
+        each worker's stderr in the last attempt, without torch's C++ stack frames;
+        :meth:`describe` has everything.
+        """
+        last = max((w.attempt for w in self.workers), default=0)
+        parts = [
+            f"torchrun exit status {self.returncode}"
+            + (" (killed at its deadline)" if self.timed_out else "")
+            + f", {self.attempts} attempt(s)"
+        ]
+        streams = [("agent", self.stderr)] + [
+            (f"attempt {w.attempt} local rank {w.local_rank}", w.stderr)
+            for w in self.workers
+            if w.attempt == last
+        ]
+        for name, text in streams:
+            lines = [ln for ln in text.splitlines() if ln.strip() and not _FRAME_RE.match(ln)]
+            if lines:
+                parts.append(f"--- {name} (last {min(len(lines), max_lines)} lines)")
+                parts += [ln[:300] for ln in lines[-max_lines:]]
+        return "\n".join(parts)
+
     def describe(self) -> str:
         """A readable dump for assertion messages: command, status, every stream."""
         parts = [
@@ -96,8 +128,9 @@ class CompletedRun:
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago (the kernel picked it).
 
-    Another process can take it before it is used; torchrun's rendezvous
-    endpoint needs a number up front, so this is the best a launcher can do.
+    Another process can take it before it is used. A single-node job does not
+    need one (:func:`start_torchrun` lets the agent bind port 0); a multi-node
+    rendezvous endpoint must be known to every agent up front.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -119,6 +152,7 @@ class TorchrunJob:
         self._workdir = workdir
         self._owns_workdir = owns_workdir
         self.command = tuple(command)
+        _LIVE.add(self)
 
     @property
     def pid(self) -> int:
@@ -148,6 +182,7 @@ class TorchrunJob:
         except subprocess.TimeoutExpired:
             timed_out = True
             self.kill()
+        _LIVE.discard(self)
         run = self._collect(timed_out)
         if self._owns_workdir:
             shutil.rmtree(self._workdir, ignore_errors=True)
@@ -161,6 +196,14 @@ class TorchrunJob:
             self._proc.wait(timeout=_TERM_GRACE_S)
         _signal_all([*tree, *_descendants(self._proc.pid)], signal.SIGKILL)
         self._proc.wait()
+        _LIVE.discard(self)
+
+    def crash(self) -> None:
+        """SIGKILL the agent and every worker at once, as a lost machine or an OOM kill of the
+        whole job would (no grace, no handler runs)."""
+        _signal_all([self._proc.pid, *_descendants(self._proc.pid)], signal.SIGKILL)
+        self._proc.wait()
+        _LIVE.discard(self)
 
     def _collect(self, timed_out: bool) -> CompletedRun:
         logs: list[WorkerLog] = []
@@ -190,6 +233,18 @@ class TorchrunJob:
         )
 
 
+def kill_running_jobs() -> int:
+    """Stop every job this process started that is still running; returns how many.
+
+    For a launcher interrupted by SIGTERM/SIGINT: the agents run in their own
+    sessions, so a terminal's Ctrl-C does not reach them by itself.
+    """
+    jobs = [job for job in list(_LIVE) if job.poll() is None]
+    for job in jobs:
+        job.kill()
+    return len(jobs)
+
+
 def start_torchrun(
     entry: Sequence[str],
     nproc: int,
@@ -207,7 +262,8 @@ def start_torchrun(
 
     ``entry`` is the script and its arguments (``["train.py", "--steps", "8"]``)
     or a module (``["-m", "pkg.train", "--steps", "8"]``). The rendezvous is c10d
-    at ``rdzv_endpoint`` (default: a free port on 127.0.0.1); ``nnodes`` is
+    at ``rdzv_endpoint`` (default for one node: ``127.0.0.1:0``, the agent binds
+    a free port itself; agents of a multi-node job must share one); ``nnodes`` is
     torchrun's ``--nnodes`` (``"2"`` or ``"1:2"``); ``local_addr`` is the address
     this node advertises (needed when the hostname does not resolve to a
     reachable address, e.g. in a network namespace). ``command_prefix`` is put
@@ -226,7 +282,9 @@ def start_torchrun(
     owns = workdir is None
     work = Path(tempfile.mkdtemp(prefix="lmr-torchrun-") if workdir is None else workdir)
     work.mkdir(parents=True, exist_ok=True)
-    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    # Port 0: the agent's TCPStore binds a free port itself; a port picked here and
+    # handed over could be taken by another process first (a bind race).
+    endpoint = rdzv_endpoint or ("127.0.0.1:0" if nnodes == "1" else f"127.0.0.1:{free_port()}")
     command = [
         *command_prefix,
         sys.executable,
@@ -266,12 +324,12 @@ def run_torchrun(
 ) -> CompletedRun:
     """Run ``entry`` under torchrun on loopback with ``nproc`` workers and wait for it.
 
-    A single-node job with a c10d rendezvous on ``127.0.0.1:<rdzv_port>`` (a free
-    port when None) and ``--max-restarts=max_restarts``. The whole job is killed
-    after ``timeout_s`` (result ``timed_out=True``). Returns the
+    A single-node job with a c10d rendezvous on ``127.0.0.1:<rdzv_port>`` (port
+    0 when None: the agent binds a free one) and ``--max-restarts=max_restarts``.
+    The whole job is killed after ``timeout_s`` (result ``timed_out=True``). Returns the
     :class:`CompletedRun`; never raises for a failed job.
     """
-    endpoint = f"127.0.0.1:{rdzv_port if rdzv_port is not None else free_port()}"
+    endpoint = f"127.0.0.1:{rdzv_port}" if rdzv_port is not None else None
     job = start_torchrun(entry, nproc, max_restarts=max_restarts, env=env, rdzv_endpoint=endpoint)
     return job.wait(timeout_s)
 

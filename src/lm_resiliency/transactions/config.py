@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from lm_resiliency._validate import Rule, at_least, validate
 from lm_resiliency.errors import ConfigError
 
 
@@ -63,36 +63,17 @@ class MTGSConfig:
     """Allocate the shadow arena page-locked when CUDA is present (faster device copies)."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "vote_in_hook",
-            "shadow",
-            "two_phase_commit",
-            "check_params_finite",
-            "pin_shadow",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ConfigError(f"MTGSConfig.{name}={value!r} must be True or False")
-        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int):
-            raise ConfigError(f"MTGSConfig.max_retries={self.max_retries!r} must be an int >= 0")
-        if self.max_retries < 0:
-            raise ConfigError(
-                f"MTGSConfig.max_retries={self.max_retries} must be >= 0 (0: no retry)"
-            )
-        timeout = self.collective_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise ConfigError(f"MTGSConfig.collective_timeout_s={timeout!r} must be a number")
-        if not (math.isfinite(timeout) and timeout > 0):
-            raise ConfigError(
-                f"MTGSConfig.collective_timeout_s={timeout} must be a finite number of "
-                "seconds > 0, e.g. 60"
-            )
-        if not isinstance(self.on_exhausted, ExhaustedPolicy):
-            raise ConfigError(
-                f"MTGSConfig.on_exhausted={self.on_exhausted!r} must be an ExhaustedPolicy "
-                f"({', '.join(p.name for p in ExhaustedPolicy)})"
-            )
         object.__setattr__(self, "force_abort_steps", _steps(self.force_abort_steps))
+        validate(self, _RULES, prefix="MTGSConfig.")
+
+
+#: Range rules per field (the type comes from the annotation; see ``lm_resiliency._validate``).
+_RULES = {
+    "max_retries": at_least(0, "must be >= 0 (0: no retry)", "max_retries=2"),
+    "collective_timeout_s": Rule(
+        lambda v: v > 0, "must be a finite number of seconds > 0, e.g. 60", "60"
+    ),
+}
 
 
 def _steps(value: Iterable[int] | int) -> frozenset[int]:

@@ -1,0 +1,186 @@
+"""The manager's recovery: gather availability, choose the step, fetch it, say what happened.
+
+Call order (every rank; both calls are collective)::
+
+    steps = restorer.candidates(mode)      # find_latest(): newest common step first
+    outcome = restorer.load(step, mode)    # load(): fetch, walk back, or fall back
+
+Both run over the control plane, so every wait is bounded and a rank that does
+not answer is named. Logging: one WARNING line on rank 0 when a restarted job
+(or one whose run left files or slots) recovers nothing, naming why and each
+rank's newest available step; one INFO line with the step and sources when it
+recovers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lm_resiliency.control import ControlPlane
+from lm_resiliency.errors import NoConsistentStep
+from lm_resiliency.recovery.availability import (
+    Options,
+    Report,
+    Source,
+    common_steps,
+    gather_reports,
+    missing_lines,
+    source_options,
+)
+from lm_resiliency.recovery.fetch import FetchContext, Fetched, Unusable, fetch_step
+from lm_resiliency.recovery.mode import RecoveryMode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RecoveryReport:
+    """What one ``load`` did: the step, each rank's source, bytes moved, time per phase."""
+
+    step: int | None
+    sources: list[str]
+    bytes_moved: int
+    walked_back_from: list[int] = field(default_factory=list)
+    phases_s: dict[str, float] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    """Every source that failed validation on the way, with its rank and reason."""
+
+
+@dataclass
+class Outcome:
+    state: Any
+    report: RecoveryReport
+    fetched: Fetched | None
+
+
+class Restorer:
+    """Recovery of one rank; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        control: ControlPlane,
+        report: Callable[[], Report],
+        context: Callable[[], FetchContext],
+        holder_of: Callable[[int], int | None],
+        restarted: bool,
+    ) -> None:
+        self._control = control
+        self._report = report
+        self._context = context
+        self._holder_of = holder_of
+        self._restarted = restarted
+        self._said_nothing = False
+
+    def gather(self, mode: RecoveryMode) -> tuple[Options, list[Report], set[int]]:
+        reports = gather_reports(self._report(), control=self._control)
+        table = source_options(reports, self._holder_of)
+        verified = mode is RecoveryMode.RECOVERY_VERIFIED
+        return table, reports, common_steps(table, reports, verified_only=verified)
+
+    def newest(self, mode: RecoveryMode) -> int | None:
+        """find_latest(): the newest step every rank can obtain, or ``None`` (said once)."""
+        _, reports, common = self.gather(mode)
+        if not common:
+            self._say_nothing(reports, mode, "no step is available on every rank")
+        return max(common) if common else None
+
+    def load(
+        self,
+        step: int | None,
+        mode: RecoveryMode,
+        fallback: Callable[[], Any] | None,
+    ) -> Outcome:
+        t0 = time.perf_counter()
+        table, reports, common = self.gather(mode)
+        t_agree = time.perf_counter() - t0
+        if step is not None and step not in common:
+            raise NoConsistentStep(
+                f"step {step} is not available on every rank in mode {mode.value}; common "
+                f"steps: {sorted(common)}. " + "; ".join(missing_lines(step, table, reports))
+            )
+        candidates = sorted((s for s in common if step is None or s <= step), reverse=True)
+        ctx = self._context()
+        failed: list[int] = []
+        problems: list[str] = []
+        for s in candidates:
+            t1 = time.perf_counter()
+            got = fetch_step(s, table, ctx)
+            if isinstance(got, Unusable):
+                failed.append(s)
+                problems += got.problems
+                if self._control.rank == 0:
+                    log.warning(
+                        "step %d is unusable (%s); %s",
+                        s,
+                        "; ".join(got.problems) or "a source failed",
+                        "failing closed (RECOVERY_VERIFIED never falls back to unverified state)"
+                        if mode is RecoveryMode.RECOVERY_VERIFIED
+                        else "walking back",
+                    )
+                if mode is RecoveryMode.RECOVERY_VERIFIED:
+                    raise NoConsistentStep(
+                        f"verified step {s} failed validation: {'; '.join(got.problems)}; "
+                        "failing closed (RECOVERY_VERIFIED never falls back to unverified state)"
+                    )
+                continue
+            phases = {"agree": t_agree, "fetch": time.perf_counter() - t1, **got.phases_s}
+            labels = [src.label for src in got.sources]
+            report = RecoveryReport(
+                s, labels, got.bytes_moved, failed, phases, problems + got.problems
+            )
+            self._record(report)
+            return Outcome(got.state, report, got)
+        why = (
+            f"every common step failed validation (tried {failed})"
+            if failed
+            else "no step is available on every rank"
+        )
+        self._say_nothing(reports, mode, why)
+        if fallback is not None:
+            report = RecoveryReport(
+                None, [Source.FALLBACK.label] * len(table), 0, failed, {}, problems
+            )
+            self._record(report)
+            return Outcome(fallback(), report, None)
+        lines = "; ".join(problems) or "; ".join(
+            f"rank {r}: {rep.describe()}" for r, rep in enumerate(reports)
+        )
+        raise NoConsistentStep(
+            f"rank {self._control.rank}: no {mode.value} GEMINI step is available on every rank "
+            f"({why}: {lines}) and no load_fallback was given; pass "
+            "load_fallback=<load your durable checkpoint> to recover from it"
+        )
+
+    def _record(self, report: RecoveryReport) -> None:
+        log.info("gemini.recovery %s", json.dumps({"rank": self._control.rank, **asdict(report)}))
+        if self._control.rank == 0 and report.step is not None:
+            by_source: dict[str, list[int]] = {}
+            for rank, label in enumerate(report.sources):
+                by_source.setdefault(label, []).append(rank)
+            where = "; ".join(f"{label} on ranks {ranks}" for label, ranks in by_source.items())
+            total = sum(v for k, v in report.phases_s.items() if k in ("agree", "fetch"))
+            log.info("GEMINI recovered step %d (%s) in %.3f s", report.step, where, total)
+
+    def _say_nothing(self, reports: list[Report], mode: RecoveryMode, why: str) -> None:
+        if self._said_nothing or self._control.rank != 0:
+            return
+        anything = any(any(r.to_json()[:4]) for r in reports)
+        if not (self._restarted or anything):
+            return  # a fresh job: nothing to recover is the expected answer
+        self._said_nothing = True
+        newest = ", ".join(
+            f"rank {r}: {max(rep.own_memory | rep.own_disk, default='none')}"
+            for r, rep in enumerate(reports)
+        )
+        log.warning(
+            "GEMINI recovers nothing (%s mode): %s; newest own step per rank: %s",
+            mode.value,
+            why,
+            newest,
+        )

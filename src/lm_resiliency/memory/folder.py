@@ -1,0 +1,251 @@
+"""One rank's private directory of slot files on the memory filesystem.
+
+::
+
+    <memory_folder>/run-<sha256(run_id)[:16]>/topo-<sha256(topology)[:16]>/rank-<R>/
+        lock                   (flock'ed by the live process that uses the folder)
+        own-0.slot own-1.slot  (this rank's own captures)
+        held-0.slot held-1.slot (the replicas this rank holds for its peer)
+
+Directory names are those of the node-local disk namespace, so a run and a
+topology map to the same names in both tiers. Every directory is created
+``0700`` and entered without following links; one that is not ours or is
+writable by others is refused. The ``lock`` file is held with ``flock`` for
+the manager's lifetime: the kernel releases it when the process dies, so a
+restarted worker takes over at once, while a second live process using the
+same rank's folder is refused instead of tearing its slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lm_resiliency.errors import ConfigError, ResiliencyError, UnsafePathError
+from lm_resiliency.memory.slotfile import (
+    SlotFile,
+    SlotIdentity,
+    SlotRecord,
+    SlotUnavailable,
+    check_descriptor,
+)
+from lm_resiliency.persistence import namespace as ns
+from lm_resiliency.persistence._safefs import check_dir_fd, open_subdir
+from lm_resiliency.persistence.lineage import Lineage, read_lineage, write_lineage
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "lock"
+LINEAGE_FILE = "lineage.json"
+_SUFFIX = ".slot"
+#: How long a new process waits for the previous owner of a rank's folder to exit.
+LOCK_WAIT_S = 10.0
+
+
+def slot_file_name(slot_name: str) -> str:
+    """``own_0`` -> ``own-0.slot``, ``peer_1`` -> ``held-1.slot``."""
+    kind, _, index = slot_name.partition("_")
+    role = {"own": "own", "peer": "held"}[kind]
+    return f"{role}-{index}{_SUFFIX}"
+
+
+def rank_dir(rank: int) -> str:
+    return f"rank-{rank}"
+
+
+@dataclass(frozen=True)
+class Attached:
+    """A committed slot file found at start, validated (all but its data checksums)."""
+
+    slot_name: str
+    file: SlotFile
+    record: SlotRecord
+
+
+def open_root(root: Path) -> int:
+    """Create (0700) and open the memory folder itself, refusing one that is not ours."""
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"memory_folder={str(root)!r} cannot be created ({exc.strerror}); use a directory "
+            "on a memory filesystem this user can write (e.g. /dev/shm/lm-resiliency-<user>), "
+            "or memory_folder=None for process memory"
+        ) from None
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        check_dir_fd(fd, str(root), root=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class MemoryFolder:
+    """The slot files of one rank of one run and topology on this node.
+
+    Construct once per manager (takes the folder's lock, waiting up to
+    :data:`LOCK_WAIT_S` for an exiting predecessor). Not collective.
+    Raises ``UnsafePathError`` for a directory of another user, a link or a
+    group/other-writable directory, and ``ResiliencyError`` when another live
+    process holds the rank's folder.
+    """
+
+    def __init__(self, root: str | Path, *, run_id: str, topology: str, rank: int) -> None:
+        self.root = Path(root)
+        self.rank = rank
+        self.run_id = run_id
+        self._parts = (ns.run_dir(run_id), ns.topology_dir(topology), rank_dir(rank))
+        self.path = self.root.joinpath(*self._parts)
+        fds = [open_root(self.root)]
+        try:
+            where = self.root
+            for part in self._parts:
+                where = where / part
+                # open_subdir refuses a link, a foreign owner and a group/other-writable dir
+                fds.append(open_subdir(fds[-1], part, create=True, where=str(where)))
+            self.dir_fd = os.dup(fds[-1])
+            self._run_fd = os.dup(fds[1])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self._lock_fd = self._lock()
+
+    def _lock(self) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(LOCK_FILE, flags, 0o600, dir_fd=self.dir_fd)
+        try:
+            check_descriptor(fd, str(self.path / LOCK_FILE))
+        except SlotUnavailable as exc:
+            os.close(fd)
+            raise UnsafePathError(str(exc)) from None
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(fd)
+                    raise
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    os.close(fd)
+                    raise ResiliencyError(
+                        f"{self.path} is in use by another live process (pid {holder}); "
+                        "one process per rank: stop the other worker, or give this job "
+                        "another run_id"
+                    ) from None
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def file_path(self, slot_name: str) -> Path:
+        return self.path / slot_file_name(slot_name)
+
+    def create(self, slot_name: str, data_bytes: int) -> SlotFile:
+        """A new slot file for ``slot_name`` (an older file of that name is removed first)."""
+        name = slot_file_name(slot_name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self.dir_fd)
+        return SlotFile.create(self.dir_fd, name, data_bytes, where=str(self.path / name))
+
+    def attach(self, expected: dict[str, SlotIdentity]) -> tuple[list[Attached], list[str]]:
+        """Open every committed slot of ``expected`` (slot name -> identity it must carry).
+
+        Returns the usable slots and, for every file that was refused, a line
+        naming it and the reason (refused files are left as they are).
+        """
+        found: list[Attached] = []
+        problems: list[str] = []
+        for slot_name, identity in expected.items():
+            name = slot_file_name(slot_name)
+            where = str(self.path / name)
+            try:
+                file, record = SlotFile.open_existing(self.dir_fd, name, identity, where=where)
+            except FileNotFoundError:
+                continue
+            except SlotUnavailable as exc:
+                problems.append(str(exc))
+                continue
+            found.append(Attached(slot_name, file, record))
+        return found, problems
+
+    def read_lineage(self) -> Lineage | None:
+        """The run's timelines as this rank last recorded them here (``None`` if absent)."""
+        where = str(self.path / LINEAGE_FILE)
+        return read_lineage(self.dir_fd, LINEAGE_FILE, run_id=self.run_id, where=where)
+
+    def write_lineage(self, lineage: Lineage) -> None:
+        write_lineage(self.dir_fd, LINEAGE_FILE, lineage, run_id=self.run_id, rank=self.rank)
+
+    def remove_all(self) -> None:
+        """Delete every slot file and this rank's directory (after a successful run)."""
+        for name in os.listdir(self.dir_fd):
+            if name.endswith((_SUFFIX, ".tmp")) or name == LINEAGE_FILE:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=self.dir_fd)
+        self.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path / LOCK_FILE)
+            os.rmdir(self.path)
+        for parent in (self.path.parent, self.path.parent.parent):
+            with contextlib.suppress(OSError):  # not empty: other ranks of this node
+                os.rmdir(parent)
+
+    def remove_superseded_topologies(self) -> list[str]:
+        """Remove this run's slot folders of other topologies that no live process holds.
+
+        A run restarted with another world size or pairing can never load them.
+        Returns the removed directory names.
+        """
+        removed = []
+        mine = self._parts[1]
+        for name in os.listdir(self._run_fd):
+            if name == mine or not ns.is_topology_dir(name):
+                continue
+            path = self.path.parent.parent / name
+            if path.is_symlink() or not path.is_dir() or _in_use(path):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+        return removed
+
+    def close(self) -> None:
+        """Release the lock and the descriptors (slot files stay)."""
+        for attr in ("_lock_fd", "dir_fd", "_run_fd"):
+            fd = getattr(self, attr, None)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(self, attr, None)
+
+
+def _in_use(topology_path: Path) -> bool:
+    """Whether any rank folder under ``topology_path`` is locked by a live process."""
+    return any(is_locked(rank) for rank in topology_path.iterdir() if not rank.is_symlink())
+
+
+def is_locked(rank_path: Path) -> bool:
+    """Whether a live process holds the rank folder ``rank_path`` (for inspect and clean)."""
+    lock = rank_path / LOCK_FILE
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)

@@ -1,0 +1,302 @@
+"""Collective loading of one agreed step, trying every source before anybody walks back.
+
+Call order (every rank, same arguments derived from the same gathered table)::
+
+    fetched = fetch_step(step, options, ctx)
+
+Each rank has, for ``step``, a list of sources cheapest first (own memory,
+own disk, its peer's memory, its peer's disk). The fetch runs in rounds until
+every rank holds a validated, decoded state or some rank has no source left:
+
+1. *prepare*: every unsettled rank whose current source is local opens it,
+   validates it and decodes its document; every rank that serves its peer
+   (the peer's current source is remote) opens what it serves. A reason per
+   rank is all-gathered, so every rank knows who failed and why.
+2. *transfer*: replicas go home (owner <- server) over the replication
+   channel with a CRC-32C per chunk, then the owner decodes; again a reason
+   per rank is all-gathered.
+
+A rank whose source failed moves to its next source for the *same* step in
+the next round; only when some rank has none left does the fetch return
+``None`` on every rank (the caller walks back, or fails closed in verified
+mode). Every check that can fail on one rank (schema, decode, CRC, identity,
+size, transfer) happens before the final agreement, and nothing is consumed
+(own memory is handed over) until every rank settled: a step is never
+returned on some ranks while others raise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lm_resiliency.control import ControlPlane
+from lm_resiliency.persistence.reader import ShardReader
+from lm_resiliency.recovery.availability import Options, Source
+from lm_resiliency.recovery.sources import OWN_STORAGE_BYTES, Material, Served, StepSource
+from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
+from lm_resiliency.replication.transfer import TransferKey, recv_checkpoint, send_checkpoint
+from lm_resiliency.state import decode_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FetchContext:
+    """What :func:`fetch_step` needs from the manager of one rank."""
+
+    rank: int
+    world_size: int
+    control: ControlPlane
+    run_id: str
+    plan: PairingPlan | None
+    channel: ReplicationChannel | None
+    sources: dict[Source, StepSource]
+    """This rank's own sources (OWN_MEMORY, OWN_DISK) and what it serves its peer
+    (PEER_MEMORY, PEER_DISK: the serve side)."""
+
+
+@dataclass
+class Fetched:
+    state: Any
+    source: Source
+    bytes_moved: int
+    phases_s: dict[str, float]
+    sources: list[Source]
+    """The source every rank finally used, in rank order."""
+    problems: list[str] = field(default_factory=list)
+    """Sources that failed on the way (rank, source, reason), tried before the one used."""
+
+
+@dataclass
+class Unusable:
+    """Why ``step`` could not be loaded: every failed source of every rank."""
+
+    step: int
+    problems: list[str]
+
+
+def _reason(exc: BaseException) -> str:
+    code = getattr(exc, "reason", None) or type(exc).__name__
+    return f"{code}: {str(exc)[:240]}"
+
+
+def decode(material: Material) -> Any:
+    """The state tree of ``material`` (raises ``StateSchemaError`` for a bad document)."""
+    views = material.layout.views(material.arena)
+    tensors = [v.clone() if v.nbytes < OWN_STORAGE_BYTES else v for v in views]
+    return decode_state(material.document, tensors)
+
+
+class _Round:
+    """One rank's view of the fetch: which source each rank is on, what failed, who settled."""
+
+    def __init__(self, step: int, options: Options, ctx: FetchContext) -> None:
+        self.step = step
+        self.ctx = ctx
+        self.queues = [list(o.get(step, [])) for o in options]
+        self.settled = [False] * ctx.world_size
+        self.problems: list[str] = []
+
+    def choice(self, rank: int) -> Source | None:
+        queue = self.queues[rank]
+        return queue[0] if queue else None
+
+    def fail(self, rank: int, why: str) -> None:
+        source = self.queues[rank].pop(0)
+        self.problems.append(f"rank {rank} {source.label}: {why}")
+
+    def stuck(self) -> bool:
+        return any(not self.settled[r] and not self.queues[r] for r in range(self.ctx.world_size))
+
+    def owner_served_by(self, rank: int) -> int | None:
+        plan = self.ctx.plan
+        return plan.recv_from(rank) if plan is not None and plan.has_peer else None
+
+    def needs_serving(self, owner: int | None) -> Source | None:
+        if owner is None or self.settled[owner]:
+            return None
+        c = self.choice(owner)
+        return c if c is not None and c.remote else None
+
+
+def fetch_step(step: int, options: Options, ctx: FetchContext) -> Fetched | Unusable:
+    """Collective: this rank's validated state of ``step``, or :class:`Unusable` on every rank."""
+    rnd = _Round(step, options, ctx)
+    me = ctx.rank
+    state: Any = None
+    mine: Material | None = None
+    moved = 0
+    used: Source | None = None
+    phases = {"prepare": 0.0, "transfer": 0.0, "decode": 0.0}
+
+    def timed_decode(material: Material) -> Any:
+        t = time.perf_counter()
+        try:
+            return decode(material)
+        finally:
+            phases["decode"] += time.perf_counter() - t
+
+    while not all(rnd.settled):
+        if rnd.stuck():
+            return Unusable(step, rnd.problems)
+        # Phase 1: local sources and what this rank serves.
+        t0 = time.perf_counter()
+        remote = [rnd.needs_serving(r) for r in range(ctx.world_size)]  # as the round starts
+        owner = rnd.owner_served_by(me)
+        serve_kind = remote[owner] if owner is not None else None
+        local_err = serve_err = ""
+        served: Served | None = None
+        choice = rnd.choice(me)
+        if not rnd.settled[me] and choice is not None and not choice.remote:
+            try:
+                opened = ctx.sources[choice].open(step)
+                assert isinstance(opened, Material)
+                state, mine, used = timed_decode(opened), opened, choice
+            except Exception as exc:
+                local_err = _reason(exc)
+        if serve_kind is not None:
+            try:
+                served = ctx.sources[serve_kind].open(step)
+            except Exception as exc:
+                serve_err = _reason(exc)
+        try:
+            codes = _gather(ctx, local_err, serve_err, f"load step {step}: prepare")
+            movers = []
+            for r, (local, _) in enumerate(codes):
+                if remote[r] is not None:
+                    server = _server_of(ctx, r)
+                    why = codes[server][1] if server is not None else "no server"
+                    if why:
+                        rnd.fail(r, f"its server rank {server} could not open it: {why}")
+                    else:
+                        movers.append(r)
+                elif not rnd.settled[r] and rnd.choice(r) is not None:
+                    if local:
+                        rnd.fail(r, local)
+                    else:
+                        rnd.settled[r] = True
+            phases["prepare"] += time.perf_counter() - t0
+            if not movers:
+                continue
+            # Phase 2: replicas go home, for owners whose server opened its copy.
+            t1 = time.perf_counter()
+            recv_err, send_err, got = _move(step, ctx, owner, movers, served)
+            if got is not None:
+                try:
+                    state, mine, used = timed_decode(got), got, rnd.choice(me)
+                    moved = got.layout.total_bytes
+                except Exception as exc:
+                    recv_err = _reason(exc)
+            codes = _gather(ctx, recv_err, send_err, f"load step {step}: transfer")
+            for r in movers:
+                server = _server_of(ctx, r)
+                recv, send = codes[r][0], codes[server][1] if server is not None else ""
+                if recv or send:
+                    rnd.fail(r, recv or f"sending from rank {server} failed: {send}")
+                else:
+                    rnd.settled[r] = True
+            phases["transfer"] += time.perf_counter() - t1
+        finally:
+            if isinstance(served, ShardReader):
+                served.close()
+    assert mine is not None and used is not None
+    if mine.consume is not None:
+        mine.consume()  # every rank settled: own memory is handed over now
+    final = [_or_fallback(rnd.choice(r)) for r in range(ctx.world_size)]
+    return Fetched(state, used, moved, phases, final, rnd.problems)
+
+
+def _or_fallback(source: Source | None) -> Source:
+    return Source.FALLBACK if source is None else source
+
+
+def _server_of(ctx: FetchContext, rank: int) -> int | None:
+    plan = ctx.plan
+    return plan.send_to(rank) if plan is not None and plan.has_peer else None
+
+
+def _gather(ctx: FetchContext, a: str, b: str, name: str) -> list[tuple[str, str]]:
+    blob = json.dumps([a, b]).encode()
+    return [tuple(json.loads(x)) for x in ctx.control.all_gather_bytes(blob, name=name)]  # type: ignore[misc]
+
+
+def _key(step: int, *, src: int, dst: int, meta: tuple[str, int]) -> TransferKey:
+    return TransferKey(f"gemini/step-{step}/owner-{dst}", src, dst, step, meta[0], meta[1])
+
+
+def _move(
+    step: int,
+    ctx: FetchContext,
+    owner: int | None,
+    movers: list[int],
+    served: Served | None,
+) -> tuple[str, str, Material | None]:
+    """Phase 2 (collective): replicas travel home, both directions of a rank at once.
+
+    ``owner`` is the rank this one serves. Returns this rank's receive and send
+    errors and, if it received, its material.
+    """
+    me = ctx.rank
+    must_serve = owner in movers and served is not None
+    must_receive = me in movers
+    # Both endpoints bind the transfer to the same tensor metadata: the server's.
+    mine = ("", 0) if not must_serve or served is None else _meta(served)
+    metas = [
+        tuple(json.loads(b))
+        for b in ctx.control.all_gather_bytes(
+            json.dumps(list(mine)).encode(), name=f"load step {step}: transfer metadata"
+        )
+    ]
+    received: list[Material] = []
+    errors = {"recv": "", "send": ""}
+
+    def receive() -> None:
+        assert ctx.channel is not None
+        server = _server_of(ctx, me)
+        assert server is not None
+        try:
+            key = _key(step, src=server, dst=me, meta=(metas[server][0], metas[server][1]))
+            got = recv_checkpoint(ctx.channel, key, owner_rank=me)
+            received.append(Material(got.layout, got.arena, got.state_document))
+        except Exception as exc:
+            errors["recv"] = _reason(exc)
+
+    def serve() -> None:
+        assert ctx.channel is not None and owner is not None and served is not None
+        try:
+            key = _key(step, src=me, dst=owner, meta=(metas[me][0], metas[me][1]))
+            if isinstance(served, ShardReader):
+                header = make_header(ctx.run_id, owner, step, served.layout, served.state_document)
+                send_checkpoint(ctx.channel, key, header=header, reader=served)
+            else:
+                header = make_header(ctx.run_id, owner, step, served.layout, served.document)
+                send_checkpoint(ctx.channel, key, header=header, arena=served.arena)
+        except Exception as exc:
+            errors["send"] = _reason(exc)
+
+    jobs: list[Callable[[], None]] = []
+    if must_receive and ctx.channel is not None:
+        jobs.append(receive)
+    elif must_receive:
+        errors["recv"] = "no replication channel on this rank"
+    if must_serve:
+        jobs.append(serve)
+    threads = [threading.Thread(target=j, name="lmr-recover-move") for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for what, err in errors.items():
+        if err:
+            log.warning("rank %d: %s of a replica of step %d failed: %s", me, what, step, err)
+    return errors["recv"], errors["send"], (received[0] if received else None)
+
+
+def _meta(served: Served) -> tuple[str, int]:
+    return served.layout.digest, served.layout.total_bytes

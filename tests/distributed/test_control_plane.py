@@ -1,0 +1,97 @@
+"""The control plane: bounded agreement collectives that name the rank that did not answer."""
+
+from __future__ import annotations
+
+import time
+
+from lm_resiliency import InMemoryCkptConfig
+from lm_resiliency.errors import CollectiveTimeout
+from lm_resiliency.experimental import InMemoryCheckpointManager
+from lm_resiliency.testing import run_distributed
+
+_TIMEOUT_S = 4.0
+
+
+def _silent_rank(rank: int, world: int, tmp: str) -> dict:
+    cfg = InMemoryCkptConfig(
+        run_id="control", disk_folder=tmp, control_timeout_s=_TIMEOUT_S, signal_flush=False
+    )
+    m = InMemoryCheckpointManager(cfg)
+    if rank == 2:
+        time.sleep(4 * _TIMEOUT_S)  # does not answer the agreement in time
+    t0 = time.monotonic()
+    try:
+        m.find_latest()
+    except CollectiveTimeout as exc:
+        return {"error": str(exc), "after_s": time.monotonic() - t0}
+    return {"error": None, "after_s": time.monotonic() - t0}
+
+
+def test_a_rank_that_does_not_answer_fails_every_other_rank_within_the_timeout(tmp_path) -> None:
+    out = run_distributed(_silent_rank, 3, args=(str(tmp_path),), timeout_s=120)
+    for rank in (0, 1):
+        err = out[rank]["error"]
+        assert err is not None, out[rank]
+        assert "find_latest: gather availability" in err
+        assert "rank(s) [2] never reached it" in err
+        assert f"control_timeout_s={_TIMEOUT_S:g}" in err
+        assert out[rank]["after_s"] < 3 * _TIMEOUT_S
+    assert out[2]["error"] is not None  # its peers are gone by the time it asks
+
+
+def _on_another_group(rank: int, world: int) -> int | None:
+    # The manager's collectives never touch the caller's default group: a CPU-tensor
+    # collective on it is not needed, so an NCCL default group works the same way.
+    with InMemoryCheckpointManager(InMemoryCkptConfig(run_id="g", signal_flush=False)) as m:
+        assert m.control.group is not None and m.control.world_size == world
+        return m.find_latest()
+
+
+def test_agreement_runs_on_a_private_gloo_group() -> None:
+    assert run_distributed(_on_another_group, 2, timeout_s=60) == [None, None]
+
+
+def _broken_twice(rank: int, world: int, tmp: str) -> dict | None:
+    cfg = InMemoryCkptConfig(
+        run_id="broken", disk_folder=tmp, control_timeout_s=2.0, signal_flush=False
+    )
+    m = InMemoryCheckpointManager(cfg)
+    if rank == 1:
+        return None  # leaves: rank 0's next agreement cannot complete
+    errors = []
+    for _ in range(2):
+        try:
+            m.find_latest()
+        except CollectiveTimeout as exc:
+            errors.append(str(exc))
+    return {"errors": errors}
+
+
+def test_a_broken_control_plane_fails_closed_afterwards(tmp_path) -> None:
+    out = run_distributed(_broken_twice, 2, args=(str(tmp_path),), timeout_s=60)
+    first, second = out[0]["errors"]
+    assert "find_latest: gather availability" in first
+    assert "failed earlier" in second and "restart the job" in second
+
+
+def _one_bad_folder(rank: int, world: int, tmp: str) -> dict:
+    t0 = time.monotonic()
+    try:
+        InMemoryCheckpointManager(
+            InMemoryCkptConfig(run_id="bad", disk_folder=tmp, signal_flush=False)
+        )
+    except Exception as exc:
+        return {"type": type(exc).__name__, "error": str(exc), "after_s": time.monotonic() - t0}
+    return {"type": None}
+
+
+def test_a_folder_refused_on_one_rank_fails_every_rank_at_once(tmp_path) -> None:
+    bad = tmp_path / "bad-shm"
+    bad.mkdir(mode=0o777)
+    bad.chmod(0o777)  # others may write: refused
+    env = {1: {"LM_RESILIENCY_MEMORY_FOLDER": str(bad)}}
+    out = run_distributed(_one_bad_folder, 2, args=(str(tmp_path),), rank_env=env, timeout_s=60)
+    assert out[1]["type"] == "UnsafePathError" and "writable" in out[1]["error"]
+    assert out[0]["type"] == "ResiliencyError"
+    assert "cannot open the memory folders on rank(s) [1]" in out[0]["error"]
+    assert out[0]["after_s"] < 10  # not a timeout: the refusal was agreed at once
