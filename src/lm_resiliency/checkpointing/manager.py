@@ -35,7 +35,10 @@ import itertools
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -54,6 +57,7 @@ from lm_resiliency.distributed import restart_count
 from lm_resiliency.errors import ConfigError, ResiliencyError, UnsafePathError
 from lm_resiliency.memory import MemoryFolder, MemoryTier
 from lm_resiliency.persistence import (
+    RecoveryVerdict,
     ShardStore,
     TrustStatus,
     agree_job_fingerprint,
@@ -107,6 +111,13 @@ class InMemoryCheckpointManager:
         self.last_recovery: RecoveryReport | None = None
         self._closed = False
         self._verified: set[int] = set()
+        # Certification by SCOUT (see certify/reject): memory now, disk in the background.
+        self._candidates: set[int] = set()
+        self._persist_requested: set[int] = set()
+        self._verdict: RecoveryVerdict | None = None
+        self._trust_jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmr-trust")
+        self._trust_pending: list[Future[None]] = []
+        self._trust_lock = threading.Lock()
         self._last_capture: int | None = None
         self.control = ControlPlane(self.group, timeout_s=cfg.control_timeout_s)
         self.rank = self.control.rank
@@ -372,6 +383,10 @@ class InMemoryCheckpointManager:
         self._last_capture = step
         if self._flush_due(step, previous):
             self._flusher.submit(self._slots_at(step))
+        with self._trust_lock:
+            requested = step in self._persist_requested
+        if requested:
+            self._flusher.submit(self._slots_at(step))  # a repeat of a due flush is a no-op
 
     def _flush_due(self, step: int, previous: int | None) -> bool:
         """A capture is persisted when a multiple of ``disk_flush_interval`` lies in
@@ -450,7 +465,7 @@ class InMemoryCheckpointManager:
     def wait_persisted(self, timeout_s: float | None = None) -> bool:
         """Block until every scheduled node-local write finished (for tests and shutdown)."""
         self._engine.wait_idle()
-        return self._flusher.wait_idle(timeout_s)
+        return self._flusher.wait_idle(timeout_s) and self.wait_trust(timeout_s)
 
     # ------------------------------------------------------------------ persistence
     def store(self) -> ShardStore:
@@ -478,7 +493,9 @@ class InMemoryCheckpointManager:
         return None
 
     def _trust(self, step: int) -> TrustStatus:
-        return TrustStatus.RECOVERY_VERIFIED if step in self._verified else TrustStatus.UNVERIFIED
+        if step in self._verified:
+            return TrustStatus.RECOVERY_VERIFIED
+        return TrustStatus.CANDIDATE if step in self._candidates else TrustStatus.UNVERIFIED
 
     def mark_verified(self, step: int) -> None:
         """Record ``step`` as recovery-verified (normally SCOUT certification does this)."""
@@ -707,6 +724,7 @@ class InMemoryCheckpointManager:
             self._channel.close()
         if self.tier is not None:
             self.tier.close(remove=finished and not self.config.keep_memory_on_close)
+        self._trust_jobs.shutdown(wait=True)
         if self._store is not None:
             self._store.close()
         self.control.close()
@@ -725,3 +743,111 @@ class InMemoryCheckpointManager:
         tb: TracebackType | None,
     ) -> None:
         self.close(finished=exc_type is None)
+
+    # ------------------------------------------------------------------ certification (SCOUT)
+    def certify(self, step: int, trust: TrustStatus, *, persist: bool = True) -> None:
+        """Record the capture of ``step`` as ``trust`` (``CANDIDATE`` or ``RECOVERY_VERIFIED``).
+
+        Local and non-blocking, callable from an optimizer hook: the in-memory record
+        is immediate (``find_latest`` of this process sees it at once); the sidecar
+        update and, with ``persist``, the node-local write of the step's own slot and
+        the peer replica this rank holds (with ``trust`` in their headers) run in the
+        background. A capture still in flight is written once it and its replication
+        complete. Promoting a candidate to ``RECOVERY_VERIFIED`` needs no ``persist``
+        (its files exist). Raises ``ValueError`` for another trust or a bad step.
+        """
+        self._check_open()
+        trust = TrustStatus(trust)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative int (a captured step)")
+        if trust is TrustStatus.UNVERIFIED:
+            raise ValueError("certify() records CANDIDATE or RECOVERY_VERIFIED, not UNVERIFIED")
+        with self._trust_lock:
+            if trust is TrustStatus.RECOVERY_VERIFIED:
+                self._verified.add(step)
+                self._candidates.discard(step)
+            else:
+                self._candidates.add(step)
+            if persist:
+                self._persist_requested.add(step)
+        if persist:
+            # Complete slots are queued now; a capture still in flight is queued by
+            # _after_capture once it (and its replication) is complete.
+            self._flusher.submit(self._slots_at(step))
+        if trust is TrustStatus.RECOVERY_VERIFIED:
+            # mark_verified also publishes the trust markers next to the shards.
+            self._in_background(lambda: self.mark_verified(step), f"verify step {step}")
+        else:
+            self._in_background(lambda: self.store().mark_candidate(step), f"candidate {step}")
+
+    def reject(self, step: int, *, reason: str) -> None:
+        """Record ``step`` as rejected (SCOUT found SDC before it was verified).
+
+        Local and non-blocking: ``step`` leaves the candidate and verified records at
+        once; the sidecar keeps ``(step, reason)`` (written in the background), which
+        ``lm-resiliency inspect`` shows. A rejected step is never chosen by
+        ``RECOVERY_VERIFIED`` recovery.
+        """
+        self._check_open()
+        with self._trust_lock:
+            self._verified.discard(step)
+            self._candidates.discard(step)
+        self._in_background(lambda: self.store().mark_rejected(step, reason), f"reject {step}")
+
+    def require_verified_recovery(self, step: int, *, reason: str) -> None:
+        """Persist SCOUT's verdict "SDC seen at ``step``: recover in verified mode".
+
+        Local and non-blocking (the sidecar is written in the background). A job
+        restarted on this folder finds it with :meth:`recovery_verdict`.
+        """
+        self._check_open()
+        verdict = RecoveryVerdict(step=step, reason=reason)
+        self._verdict = verdict
+        self._in_background(lambda: self.store().set_verdict(verdict), f"verdict at {step}")
+
+    def clear_recovery_verdict(self) -> None:
+        """Remove a persisted recovery verdict (after a verified recovery was certified)."""
+        self._check_open()
+        had = self.recovery_verdict() is not None
+        self._verdict = None
+        if had:
+            self._in_background(lambda: self.store().set_verdict(None), "clear verdict")
+
+    def recovery_verdict(self) -> RecoveryVerdict | None:
+        """This rank's recovery verdict: set in this process, or read from its own sidecar.
+
+        Local; never creates the disk folder. ``None`` when no verdict was recorded.
+        """
+        if self._verdict is not None:
+            return self._verdict
+        self.wait_trust()
+        store = self._disk_store()
+        return None if store is None else store.status().verdict
+
+    def wait_trust(self, timeout_s: float | None = None) -> bool:
+        """Block until every background trust update so far is written; False on timeout."""
+        with self._trust_lock:
+            pending = list(self._trust_pending)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for job in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                job.result(timeout=left)
+            except FutureTimeout:
+                return False
+            except Exception:  # logged by the job itself
+                continue
+        with self._trust_lock:
+            self._trust_pending = [j for j in self._trust_pending if not j.done()]
+        return True
+
+    def _in_background(self, job: Callable[[], object], what: str) -> None:
+        def run() -> None:
+            try:
+                job()
+            except Exception as exc:  # a failed trust write never stops training; logged
+                log.warning("rank %d: writing trust record (%s) failed: %s", self.rank, what, exc)
+                raise
+
+        with self._trust_lock:
+            self._trust_pending.append(self._trust_jobs.submit(run))

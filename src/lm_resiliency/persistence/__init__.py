@@ -20,10 +20,11 @@ from lm_resiliency.persistence.reasons import UnavailableReason
 from lm_resiliency.persistence.sidecar import SidecarStatus
 from lm_resiliency.persistence.signals import SignalFlush, install_flush_on_signal
 from lm_resiliency.persistence.store import LoadedShard, ShardStore
-from lm_resiliency.persistence.trust import TrustStatus
+from lm_resiliency.persistence.trust import RecoveryVerdict, TrustStatus
 
 __all__ = [
     "LoadedShard",
+    "RecoveryVerdict",
     "ShardReader",
     "ShardStore",
     "SidecarStatus",

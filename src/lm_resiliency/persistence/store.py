@@ -4,7 +4,8 @@ Call order (one store per rank, every rank of a node may share ``disk_folder``):
 construct with the agreed ``run_id`` and job topology fingerprint (see
 :mod:`lm_resiliency.persistence.identity`) -> ``write`` completed slots (own
 state and the peer replicas this rank holds, each under its owner's rank) ->
-``mark_candidate`` / ``mark_verified`` as validation decides -> at recovery
+``mark_candidate`` / ``mark_verified`` / ``mark_rejected`` / ``set_verdict`` as
+validation decides -> at recovery
 ``steps`` and ``read`` -> ``close``. No call is collective.
 
 Thread safety: ``write`` may run on a background flush thread while a signal
@@ -59,7 +60,7 @@ from lm_resiliency.persistence.sidecar import (
     read_status,
     write_status,
 )
-from lm_resiliency.persistence.trust import TrustStatus
+from lm_resiliency.persistence.trust import RecoveryVerdict, TrustStatus
 
 log = logging.getLogger(__name__)
 _R = UnavailableReason
@@ -570,6 +571,20 @@ class ShardStore:
                 )
         except (FileNotFoundError, UnsafePathError):
             return None
+
+    def mark_rejected(self, step: int, reason: str) -> SidecarStatus:
+        """Record ``step`` as rejected (by SCOUT) with ``reason`` and publish the sidecar.
+
+        The step leaves the verified history and stops being the candidate.
+        """
+        limit = self.history_limit
+        return self._update(
+            lambda s: s.with_rejected(_nonneg("step", step), str(reason), history_limit=limit)
+        )
+
+    def set_verdict(self, verdict: RecoveryVerdict | None) -> SidecarStatus:
+        """Publish SCOUT's recovery verdict in the sidecar (``None`` clears it)."""
+        return self._update(lambda s: s.with_verdict(verdict))
 
     def _update(self, change: Callable[[SidecarStatus], SidecarStatus]) -> SidecarStatus:
         with self._lock, opened_dir(self.root, self._parts, create=True) as topo_fd:

@@ -1,0 +1,310 @@
+"""SCOUT: overhead on the demo model with DDP, time and bytes per check, detection latency.
+
+In one run, on real Gloo ranks (CPU):
+
+* the demo's trainer (tiny GPT, DDP, AdamW; ``lm_resiliency.demo.training``; and a
+  wider 6-layer variant to show how the share falls with the model) runs
+  rounds that alternate a phase without SCOUT and a phase with SCOUT checking at
+  interval 10 (the recording hooks paused / active, a check every 10th step);
+  the median step time of each mode is reported with its ratio;
+* the accounted overhead, as the contract measures it: the time SCOUT blocks the
+  training (each check, plus the recording hooks' cost per step) amortized over
+  the interval, as a share of the plain step time. Target: <= 1 %;
+  Each check is timed as the training sees it (including the wait for the
+  slowest peer to arrive, mostly scheduling noise on a shared machine) and once
+  more right after a barrier (SCOUT's own cost: replay + exchange), which the
+  accounted overhead uses;
+* time per check (median, p90), bytes exchanged per check, re-runs;
+* detection latency: a persistent SDC is injected on rank 1 into a random block
+  from a random step; the number of steps until a check reports it (the rotation
+  bounds it by interval x number of blocks).
+
+Prints a table and one JSON line. Not part of the test suite.
+Usage: python benchmarks/scout.py [--world 2] [--rounds 4] [--steps 40] [--trials 6]
+       [--models demo wider] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lm_resiliency.demo import training as demo
+from lm_resiliency.detection import Scout, ScoutConfig, ScoutStatus
+from lm_resiliency.faults import ComputeFaults, PersistentSDC
+from lm_resiliency.models import GPTConfig, SyntheticTokens, TinyGPT
+from lm_resiliency.testing import run_distributed
+
+INTERVAL = 10
+MODELS = {
+    "demo": demo.MODEL,  # the demo's GPT: 2 layers, width 64
+    "wider": GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=8, n_embd=256),
+}
+
+
+class Trainer:
+    """The demo trainer's loop (DDP, AdamW, synthetic tokens) for any GPT shape."""
+
+    def __init__(self, seed: int, *, rank: int, world_size: int, model: str = "demo") -> None:
+        cfg = MODELS[model]
+        torch.manual_seed(seed)
+        self.ddp = torch.nn.parallel.DistributedDataParallel(
+            TinyGPT(cfg), bucket_cap_mb=demo.BUCKET_CAP_MB
+        )
+        self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=demo.LR)
+        seq = min(cfg.block_size, 2 * demo.SEQ_LEN)
+        self.data = SyntheticTokens(
+            seed, demo.BATCH, seq, cfg.vocab_size, rank=rank, world_size=world_size
+        )
+        torch.manual_seed(seed * 7919 + 1 + rank)
+
+    def forward_backward(self) -> None:
+        inputs, targets = next(self.data)
+        self.ddp(inputs, targets).backward()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _paused(scout: Scout, paused: bool) -> None:
+    for r in scout.executor.recorders:
+        r.paused = paused
+
+
+def _overhead(rank: int, world: int, rounds: int, steps: int, model: str) -> dict[str, Any]:
+    trainer = Trainer(0, rank=rank, world_size=world, model=model)
+    scout = Scout(ScoutConfig(interval=INTERVAL), trainer.ddp)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    checks: list[float] = []
+    aligned: list[float] = []
+    bytes_per_check: list[int] = []
+    reruns = 0
+    statuses: list[str] = []
+    step = 0
+    for _ in range(3):  # warm-up: DDP's bucket rebuild, allocator, first replays
+        step += 1
+        trainer.forward_backward()
+        trainer.optimizer_step()
+        scout.check(step)
+    for _ in range(rounds):
+        for mode in ("off", "on"):
+            _paused(scout, mode == "off")
+            for _ in range(steps):
+                step += 1
+                t0 = time.perf_counter()
+                trainer.forward_backward()
+                trainer.optimizer_step()
+                if mode == "on" and step % INTERVAL == 0:
+                    c0 = time.perf_counter()
+                    r = scout.check(step)
+                    checks.append(time.perf_counter() - c0)
+                    bytes_per_check.append(r.bytes_exchanged)
+                    reruns += r.rerun
+                    statuses.append(r.status.value)
+                    times[mode].append(time.perf_counter() - t0)
+                    # SCOUT's own cost without the peers' arrival skew: align, check again.
+                    dist.barrier(group=scout.channel.world)
+                    c1 = time.perf_counter()
+                    scout.check(step)
+                    aligned.append(time.perf_counter() - c1)
+                    continue
+                times[mode].append(time.perf_counter() - t0)
+    _paused(scout, False)
+    hook = _hook_cost(trainer, scout)
+    scout.close()
+    return {
+        "times": times,
+        "checks": checks,
+        "aligned": aligned,
+        "bytes": bytes_per_check,
+        "reruns": reruns,
+        "statuses": statuses,
+        "hook_s": hook,
+        "blocks": len(scout.blocks),
+    }
+
+
+def _hook_cost(trainer: Trainer, scout: Scout) -> float:
+    """Seconds the recording hooks add per training forward, amortized (local).
+
+    One forward records the arguments of every block call; then the recording
+    hooks run on those arguments as in training - rearmed once per check
+    interval, so each block records one call per interval and does nothing on
+    the other forwards. Timed directly: the difference between two noisy
+    forwards would drown microseconds.
+    """
+    model = trainer.ddp.module
+    inputs, _ = next(trainer.data)
+    calls: list[tuple[int, tuple[Any, ...], dict[str, Any]]] = []
+    handles = [
+        b.module.register_forward_pre_hook(
+            lambda _m, a, k, i=b.index: calls.append((i, a, k)), with_kwargs=True
+        )
+        for b in scout.blocks
+    ]
+    with torch.no_grad():
+        model(inputs)
+    for h in handles:
+        h.remove()
+    recorder = scout.recorder
+    if recorder is None:
+        return 0.0
+    hooks = {i: recorder._hook(i) for i, _, _ in calls}
+    rounds = 50
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        recorder.rearm()
+        for _ in range(INTERVAL):
+            for i, a, k in calls:
+                hooks[i](scout.blocks[i].module, a, k)
+    return (time.perf_counter() - t0) / (rounds * INTERVAL)
+
+
+def _latency(rank: int, world: int, trials: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    out = []
+    for trial in range(trials):
+        trainer = Trainer(trial, rank=rank, world_size=world)
+        scout = Scout(ScoutConfig(interval=INTERVAL), trainer.ddp)
+        block = rng.randrange(len(scout.blocks))
+        onset = rng.randrange(5, 60)
+        faults = ComputeFaults(
+            [PersistentSDC(rank=1, module=scout.blocks[block].module, from_step=onset)],
+            rank=rank,
+        )
+        faults.arm()
+        faults.install(trainer.optimizer)
+        found = None
+        for step in range(1, onset + INTERVAL * (len(scout.blocks) + 1) + 1):
+            trainer.forward_backward()
+            trainer.optimizer_step()
+            if step % INTERVAL == 0:
+                r = scout.check(step)
+                if r.status in (ScoutStatus.SDC, ScoutStatus.INCONCLUSIVE):
+                    found = (step, r.status.value, r.faulty_ranks)
+                    break
+        faults.remove()
+        scout.close()
+        out.append(
+            {
+                "block": scout.blocks[block].label,
+                "onset": onset,
+                "detected": found[0] if found else None,
+                "status": found[1] if found else None,
+                "faulty": list(found[2]) if found else None,
+                "latency": (found[0] - onset) if found else None,
+            }
+        )
+    return out
+
+
+def _measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    res = run_distributed(
+        _overhead,
+        args.world,
+        args=(args.rounds, args.steps, model),
+        timeout_s=1800,
+        pg_timeout_s=600,
+    )
+    r0 = res[0]
+    off = statistics.median(r0["times"]["off"])
+    on = statistics.median(r0["times"]["on"])
+    mean_ratio = statistics.fmean(r0["times"]["on"]) / statistics.fmean(r0["times"]["off"])
+    # The slowest rank's check time is what every rank waits for.
+    checks = [max(r["checks"][i] for r in res) for i in range(len(r0["checks"]))]
+    aligned = [max(r["aligned"][i] for r in res) for i in range(len(r0["aligned"]))]
+    hook = max(r["hook_s"] for r in res)
+    return {
+        "model": model,
+        "blocks": r0["blocks"],
+        "step_s_off_median": off,
+        "step_s_on_median": on,
+        "end_to_end_ratio_median": on / off,
+        "end_to_end_ratio_mean": mean_ratio,
+        "check_s_median": statistics.median(checks),
+        "check_s_p90": sorted(checks)[int(0.9 * (len(checks) - 1))],
+        "check_s_aligned_median": statistics.median(aligned),
+        "hook_s_per_step": hook,
+        "accounted_overhead": (statistics.fmean(aligned) / INTERVAL + hook) / off,
+        "accounted_overhead_with_skew": (statistics.fmean(checks) / INTERVAL + hook) / off,
+        "bytes_per_check_median": statistics.median(r0["bytes"]),
+        "reruns": r0["reruns"],
+        "checks": len(checks),
+        "statuses": sorted(set(r0["statuses"])),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=40, help="steps per phase (a multiple of 10)")
+    ap.add_argument("--trials", type=int, default=6, help="detection-latency trials")
+    ap.add_argument("--models", nargs="+", default=["demo", "wider"], choices=sorted(MODELS))
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 20 steps, 3 trials")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.trials = 2, 20, 3
+    print(f"SCOUT, DDP x{args.world} (CPU, Gloo), check interval {INTERVAL}")
+    rows = []
+    for model in args.models:
+        m = _measure(args, model)
+        rows.append(m)
+        print(f"[{model}] {m['blocks']} blocks")
+        print(
+            f"  step time without / with SCOUT (median): {m['step_s_off_median'] * 1e3:.2f}"
+            f" / {m['step_s_on_median'] * 1e3:.2f} ms (ratio {m['end_to_end_ratio_median']:.3f};"
+            f" mean ratio {m['end_to_end_ratio_mean']:.3f})"
+        )
+        print(
+            f"  time per check: median {m['check_s_median'] * 1e3:.2f} ms, p90"
+            f" {m['check_s_p90'] * 1e3:.2f} ms (after a barrier, SCOUT's own: median"
+            f" {m['check_s_aligned_median'] * 1e3:.2f} ms); recording hooks"
+            f" {m['hook_s_per_step'] * 1e6:.1f} us per step"
+        )
+        print(
+            f"  accounted overhead: {m['accounted_overhead'] * 100:.2f} % of step time"
+            f" (target <= 1 %); with the peers' arrival skew"
+            f" {m['accounted_overhead_with_skew'] * 100:.2f} %"
+        )
+        print(
+            f"  bytes exchanged per check: {m['bytes_per_check_median']:.0f}; re-runs:"
+            f" {m['reruns']}/{m['checks']}; statuses: {m['statuses']}"
+        )
+    lat = run_distributed(
+        _latency, max(3, args.world), args=(args.trials, 7), timeout_s=1800, pg_timeout_s=600
+    )[0]
+    latencies = [t["latency"] for t in lat if t["latency"] is not None]
+    blocks = rows[0]["blocks"]
+    print(
+        f"detection latency on the demo GPT (steps after onset): {latencies} (bound"
+        f" {INTERVAL * blocks}), detected {len(latencies)}/{len(lat)}"
+    )
+    for t in lat:
+        print(
+            f"  SDC in {t['block']:<10} from step {t['onset']:>3}: "
+            f"detected at {t['detected']} ({t['status']}, ranks {t['faulty']})"
+        )
+    summary = {
+        "world": args.world,
+        "interval": INTERVAL,
+        "target_overhead": 0.01,
+        "models": rows,
+        "detection": lat,
+        "latency_steps_mean": statistics.fmean(latencies) if latencies else None,
+        "latency_steps_max": max(latencies) if latencies else None,
+        "latency_bound_steps": INTERVAL * blocks,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

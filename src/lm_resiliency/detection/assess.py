@@ -1,0 +1,117 @@
+"""From every rank's reports to the job-wide picture of one check round.
+
+Pure functions of the all-gathered reports: every rank computes the same
+:class:`Assessment`, which is what makes SCOUT's decisions job-wide.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from lm_resiliency.detection.groups import ComparisonGroups
+from lm_resiliency.detection.verdict import (
+    GroupVerdict,
+    Outcome,
+    StragglerRule,
+    judge,
+    straggler_suspects,
+)
+from lm_resiliency.detection.wire import CLASSES, RankReport, RunState
+from lm_resiliency.errors import ResiliencyError
+
+SHORT = {"dense": "dense", "optimizer": "opt", "dynamic": "dyn"}
+
+
+@dataclass
+class Assessment:
+    """Verdicts per (group index, class), straggler suspects (rank -> (slowdown, s, median))."""
+
+    verdicts: dict[tuple[int, str], GroupVerdict] = field(default_factory=dict)
+    suspects: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+
+    def anomalies(self) -> bool:
+        """A mismatch or a straggler suspect: what a confirmation re-run is for."""
+        bad = {Outcome.SDC, Outcome.INCONCLUSIVE}
+        return bool(self.suspects) or any(v.outcome in bad for v in self.verdicts.values())
+
+    def faulty(self) -> tuple[int, ...]:
+        return tuple(sorted({r for v in self.verdicts.values() for r in v.faulty}))
+
+    def outcomes(self, outcome: Outcome) -> list[tuple[int, str]]:
+        return sorted(k for k, v in self.verdicts.items() if v.outcome is outcome)
+
+
+def check_consistent(reports: list[RankReport], groups: ComparisonGroups) -> None:
+    """Raise ``ResiliencyError`` (on every rank alike) if ranks are not in the same check."""
+    seqs = {(r.seq, r.step) for r in reports}
+    if len(seqs) != 1:
+        raise ResiliencyError(
+            f"SCOUT ranks are at different checks (sequence, step): {sorted(seqs)[:4]}; every "
+            "rank must call check/before_capture at the same steps"
+        )
+    for g in groups.groups:
+        fps = {reports[r].fingerprint for r in g}
+        if len(fps) != 1:
+            raise ResiliencyError(
+                f"SCOUT peers {list(g)} no longer run the same configuration (torch threads, "
+                "version or model structure changed on some rank); their replays cannot be compared"
+            )
+
+
+def assess(
+    first: list[RankReport],
+    groups: ComparisonGroups,
+    rule: StragglerRule,
+    second: list[RankReport] | None = None,
+) -> Assessment:
+    """Judge every class in every group, and find straggler suspects (both rounds if given)."""
+    out = Assessment()
+    for gi, ranks in enumerate(groups.groups):
+        for name in CLASSES:
+            a = {r: first[r].of(name) for r in ranks}
+            b = None if second is None else {r: second[r].of(name) for r in ranks}
+            out.verdicts[(gi, name)] = judge(a, b)
+    out.suspects = _suspects(first, rule)
+    if second is not None:
+        again = _suspects(second, rule)
+        confirmed = {}
+        for rank, (slow, t, med) in out.suspects.items():
+            if rank in again:
+                slow2, t2, med2 = again[rank]
+                confirmed[rank] = (slow, t, med) if slow <= slow2 else (slow2, t2, med2)
+        out.suspects = confirmed
+    return out
+
+
+def _suspects(
+    reports: list[RankReport], rule: StragglerRule
+) -> dict[int, tuple[float, float, float]]:
+    # Cohorts: ranks that replayed the same recipe on the same shapes (any group).
+    cohorts: dict[tuple[str, int, int, int], dict[int, float]] = defaultdict(dict)
+    for rank, rep in enumerate(reports):
+        for name in ("dense", "dynamic"):
+            c = rep.of(name)
+            if c.state is RunState.OK:
+                cohorts[(name, c.recipe, c.extra, c.signature)][rank] = c.seconds
+    worst: dict[int, tuple[float, float, float]] = {}
+    for times in cohorts.values():
+        for rank, slowdown in straggler_suspects(times, rule).items():
+            med = times[rank] / slowdown
+            if rank not in worst or slowdown > worst[rank][0]:
+                worst[rank] = (slowdown, times[rank], med)
+    return worst
+
+
+def describe_groups(a: Assessment, groups: ComparisonGroups) -> tuple[str, ...]:
+    """One line per group: ``[0, 1, 2] dense=clean opt=clean`` (classes that ran)."""
+    lines = []
+    for gi, ranks in enumerate(groups.groups):
+        parts = [
+            f"{SHORT[n]}={a.verdicts[(gi, n)].outcome.value}"
+            for n in CLASSES
+            if a.verdicts[(gi, n)].outcome is not Outcome.NO_EVIDENCE
+            or a.verdicts[(gi, n)].detail != "not run"
+        ]
+        lines.append(f"{list(ranks)} {' '.join(parts)}".rstrip())
+    return tuple(lines)

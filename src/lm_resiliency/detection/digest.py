@@ -1,0 +1,82 @@
+"""64-bit digests of tensors: equal digests for bit-identical tensors, any single flipped bit
+changes the digest.
+
+On the CPU the raw bytes are hashed with BLAKE2b. On an accelerator the bytes
+never leave the device: the tensor is viewed as 32-bit (or 16/8-bit) words, each
+word is split into 16-bit halves, and every half is multiplied by an odd
+position-dependent weight and summed in int64. Integer sums are exact and
+independent of reduction order, so the device digest is deterministic; a change
+of ``2**k`` in one half changes its sum by ``2**k * odd`` (never 0 mod 2**64).
+The values stay below 2**54 per chunk of 2**22 words, so nothing overflows. Only
+two int64 per chunk are copied to the host (one synchronization per digest).
+Peers always use the same path (they run on the same device type).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+
+_CHUNK = 1 << 22
+_M16 = 0xFFFF
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    n = raw.numel()
+    if n % 4 == 0:
+        return raw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if n % 2 == 0:
+        return raw.view(torch.int16).to(torch.int64) & _M16
+    return raw.to(torch.int64)
+
+
+def _device_sums(t: torch.Tensor) -> list[torch.Tensor]:
+    words = _words(t)
+    sums: list[torch.Tensor] = []
+    for start in range(0, max(words.numel(), 1), _CHUNK):
+        w = words[start : start + _CHUNK]
+        pos = torch.arange(w.numel(), device=w.device, dtype=torch.int64)
+        w1 = ((pos * 0x9E37 + 0x7F4A) & _M16) | 1
+        w2 = ((pos * 0x85EB + 0x3C6F) & _M16) | 1
+        sums.append(((w & _M16) * w1).sum())
+        sums.append(((w >> 16) * w2).sum())
+    return sums
+
+
+def digest_tensors(tensors: Iterable[torch.Tensor | None]) -> int:
+    """One 64-bit digest of ``tensors`` in order (``None`` entries count as a marker).
+
+    Shapes and dtypes are part of the digest. All tensors must live on one device
+    type; accelerator tensors are reduced on the device (see the module docstring).
+    A ``DTensor`` contributes its local shard.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    device_sums: list[torch.Tensor] = []
+    for item in tensors:
+        if item is None:
+            h.update(b"none;")
+            continue
+        local = getattr(item, "to_local", None)  # a DTensor (FSDP2): this rank's shard
+        t: torch.Tensor = local() if callable(local) else item
+        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+        if t.device.type == "cpu":
+            flat = t.detach().contiguous().reshape(-1)
+            h.update(flat.view(torch.uint8).numpy().data)
+        else:
+            device_sums.extend(_device_sums(t))
+    if device_sums:
+        host = torch.stack(device_sums).cpu()
+        h.update(host.numpy().data)
+    return int.from_bytes(h.digest(), "little")
+
+
+def device_digest_for_test(t: torch.Tensor) -> int:
+    """The accelerator path applied to any tensor (tests run it on the CPU)."""
+    sums = torch.stack(_device_sums(t)).cpu()
+    h = hashlib.blake2b(digest_size=8)
+    h.update(sums.numpy().data)
+    return int.from_bytes(h.digest(), "little")

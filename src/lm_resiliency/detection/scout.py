@@ -1,0 +1,486 @@
+"""``Scout``: SCOUT for one rank - checks, capture vetoes and certification.
+
+Call order on every rank (the plain training loop with GEMINI)::
+
+    scout = Scout(ScoutConfig(), model, manager=manager, interval=manager.config.interval)
+    for step in range(1, max_steps + 1):
+        loss = model(batch).backward(); manager.maybe_wait()
+        optimizer.step(); optimizer.zero_grad()
+        if step % manager.config.interval == 0:
+            if scout.before_capture(step):       # collective: a check at this boundary
+                manager.save(state(), step)
+                scout.after_capture(step)        # local: certify the capture
+        else:
+            scout.maybe_check(step)              # collective; only if a class is due
+    scout.close()
+
+Collective calls (every rank, same steps, same order): the constructor,
+:meth:`check`, :meth:`maybe_check`, :meth:`before_capture`, :meth:`sweep`,
+:meth:`close`. Local: :meth:`after_capture`, :meth:`recovered`. Checks run at step
+boundaries (after ``optimizer.step()``), never inside a forward/backward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lm_resiliency.detection.assess import Assessment, assess, check_consistent
+from lm_resiliency.detection.blocks import partition, structure_fingerprint, uncovered_params
+from lm_resiliency.detection.catalog import Cycles, DynamicCatalog
+from lm_resiliency.detection.certify import Certifier, TrustSink
+from lm_resiliency.detection.compose import blocked, compose, severity
+from lm_resiliency.detection.config import ScoutConfig
+from lm_resiliency.detection.execute import Executed, Executor
+from lm_resiliency.detection.fingerprint import config_fingerprint
+from lm_resiliency.detection.groups import ComparisonGroups
+from lm_resiliency.detection.planner import Planner
+from lm_resiliency.detection.result import CHECK_EVENT, ScoutResult, ScoutStatus
+from lm_resiliency.detection.signature import Recorder
+from lm_resiliency.detection.verdict import Outcome, StragglerRule
+from lm_resiliency.detection.wire import Channel, PendingSpec, RankReport
+from lm_resiliency.errors import ConfigError, ResiliencyError
+from lm_resiliency.telemetry import EventLog
+
+log = logging.getLogger(__name__)
+
+#: After this many non-reproducible replays a block is no longer replayed.
+_NONDETERMINISTIC_LIMIT = 2
+_DEFAULT_INTERVAL = 10
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module a data-parallel wrapper holds (``DistributedDataParallel.module``)."""
+    inner = getattr(model, "module", None)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and isinstance(
+        inner, nn.Module
+    ):
+        return inner
+    return model
+
+
+class Scout:
+    """SCOUT on one rank. See the module docstring for the call order.
+
+    ``manager``: the GEMINI manager (or any :class:`TrustSink`) that certification
+    drives; ``None`` checks without certifying. ``groups``: the comparison groups
+    (default: every rank is a DDP peer). ``dynamic``: a dynamic catalog (MoE
+    experts). ``interval``: GEMINI's capture interval, the default of every class.
+    ``on_candidate(step)``: the framework's durable-candidate writer, called on
+    the training thread when a step becomes CANDIDATE (keep it asynchronous).
+    ``events``: the structured log for ``scout.check`` events.
+
+    Raises ``ConfigError`` when torch.distributed is not initialized, when a
+    group has fewer than two ranks, or when peers of a group run a different
+    model structure or configuration.
+    """
+
+    def __init__(
+        self,
+        config: ScoutConfig,
+        model: nn.Module,
+        *,
+        manager: TrustSink | None = None,
+        groups: ComparisonGroups | None = None,
+        dynamic: DynamicCatalog | None = None,
+        interval: int | None = None,
+        on_candidate: Callable[[int], None] | None = None,
+        events: EventLog | None = None,
+    ) -> None:
+        if not isinstance(config, ScoutConfig):
+            raise ConfigError(f"config={config!r} must be a ScoutConfig")
+        self.config = config
+        self.model = unwrap(model)
+        self.events = events
+        self.last_result: ScoutResult | None = None
+        self._closed = False
+        default = interval if interval is not None else _DEFAULT_INTERVAL
+        if isinstance(default, bool) or not isinstance(default, int) or default < 1:
+            raise ConfigError(f"interval={interval!r} must be a positive int (GEMINI's interval)")
+        dyn_on = dynamic is not None and config.dynamic.enabled
+        self.intervals = {
+            name: config.class_interval(name, default) for name in ("dense", "optimizer")
+        }
+        self.intervals["dynamic"] = config.class_interval("dynamic", default) if dyn_on else None
+        self.certifier = Certifier(
+            manager, dynamic=dyn_on, persist=config.persist_certified, on_candidate=on_candidate
+        )
+        if not config.enable:
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                "SCOUT compares replicas across ranks: call torch.distributed.init_process_group "
+                "on every rank before building Scout (or use ScoutConfig(enable=False))"
+            )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.groups = groups if groups is not None else ComparisonGroups.ddp(self.world_size)
+        if self.groups.world_size != self.world_size:
+            raise ConfigError(
+                f"comparison groups cover world_size={self.groups.world_size}, but the job has "
+                f"{self.world_size} ranks"
+            )
+        self.blocks = partition(self.model)
+        self.channel = Channel(self.groups, rank=self.rank, timeout_s=config.timeout_s)
+        self.is_source = self.channel.source == self.rank
+        recorders: list[Recorder] = []
+        self.recorder = self.dynamic_recorder = None
+        if self.is_source:
+            self.recorder = Recorder(
+                [b.module for b in self.blocks], count_distinct=False, one_shot=True
+            )
+            recorders.append(self.recorder)
+            if dyn_on and dynamic is not None:
+                self.dynamic_recorder = Recorder(
+                    dynamic.modules, count_distinct=dynamic.shapes is None
+                )
+                recorders.append(self.dynamic_recorder)
+        self.dynamic = dynamic if dyn_on else None
+        self.planner = Planner(
+            self.blocks, self.recorder, self.dynamic, self.dynamic_recorder, seed=config.seed
+        )
+        self.executor = Executor(
+            self.blocks, uncovered_params(self.model, self.blocks), self.dynamic, recorders
+        )
+        self.rule = StragglerRule(
+            config.straggler_mad_factor, config.straggler_floor_s, config.straggler_min_slowdown
+        )
+        self.fingerprint = config_fingerprint(self.model, structure_fingerprint(self.blocks))
+        self._agree_fingerprint()
+        self._seq = 0
+        self._pending: PendingSpec | None = None
+        self._pending_capture: int | None = None
+        self._last_check: ScoutResult | None = None  # regular checks only (not sweeps)
+        self.cycles = Cycles(self.groups)
+        self._nondeterministic: Counter[int] = Counter()
+        if self.rank == 0:
+            log.info(
+                "SCOUT: %d blocks, groups %s, intervals %s",
+                len(self.blocks),
+                self.groups.describe(),
+                self.intervals,
+            )
+
+    def _agree_fingerprint(self) -> None:
+        rows = self.channel.gather_u64([self.fingerprint])
+        for g in self.groups.groups:
+            values = {rows[r][0] for r in g}
+            if len(values) != 1:
+                raise ConfigError(
+                    f"SCOUT peers {list(g)} differ in model structure or configuration (torch "
+                    "version, device, CPU threads, block shapes); replicas must run identically. "
+                    "Fingerprints: " + ", ".join(f"rank {r}: {rows[r][0]:016x}" for r in g)
+                )
+
+    # -- schedule ----------------------------------------------------------------------
+
+    def due(self, step: int) -> set[str]:
+        """The recipe classes whose interval divides ``step``."""
+        return {n for n, every in self.intervals.items() if every is not None and step % every == 0}
+
+    def _boundary_classes(self, step: int) -> set[str]:
+        classes = self.due(step)
+        if not classes & {"dense", "optimizer"}:
+            # A capture needs an accepted result at its own step: run the dense recipes.
+            classes |= {n for n in ("dense", "optimizer") if self.intervals[n] is not None}
+        return classes
+
+    # -- public API ---------------------------------------------------------------------
+
+    def check(self, step: int) -> ScoutResult:
+        """Collective: run one check now (the due classes; at least dense and optimizer)."""
+        self._check_open()
+        if not self.config.enable:
+            return self._disabled(step)
+        return self._check(step, self._boundary_classes(step))
+
+    def maybe_check(self, step: int) -> ScoutResult | None:
+        """Collective: run a check if a recipe class is due at ``step``; else ``None``."""
+        self._check_open()
+        if not self.config.enable:
+            return None
+        classes = self.due(step)
+        return self._check(step, classes) if classes else None
+
+    def before_capture(self, step: int) -> bool:
+        """Collective: check at this capture boundary; True when the capture may proceed.
+
+        Reuses a check already run at ``step``. False after SDC or an inconclusive
+        comparison (then the current candidate is rejected and verified recovery is
+        required, job-wide), while latched after an earlier SDC, or when no
+        recipe produced evidence.
+        """
+        self._check_open()
+        if not self.config.enable:
+            return True
+        last = self._last_check
+        result = last if last is not None and last.step == step else self.check(step)
+        self._pending_capture = step if result.capture_allowed else None
+        return result.capture_allowed
+
+    def after_capture(self, step: int) -> None:
+        """Local: certify the capture just taken at ``step`` (after ``manager.save``).
+
+        Dense: ``RECOVERY_VERIFIED``; dynamic: ``CANDIDATE`` after a complete cycle
+        (promoting the previous candidate). Persistence runs in the background.
+        Raises ``ResiliencyError`` without a permitting ``before_capture(step)``.
+        """
+        self._check_open()
+        if not self.config.enable:
+            return
+        if self._pending_capture != step:
+            raise ResiliencyError(
+                f"after_capture({step}) without a permitting before_capture({step}); call "
+                "before_capture at the boundary and capture only when it returns True"
+            )
+        self._pending_capture = None
+        self.certifier.captured(step)
+
+    def recovered(self, step: int, *, verified: bool) -> None:
+        """Local: the state of ``step`` was restored (``verified``: a RECOVERY_VERIFIED step).
+
+        A verified recovery unlatches SCOUT after an SDC; the persisted verdict is
+        cleared at the next certification. Call on every rank.
+        """
+        self.certifier.recovered(verified=verified)
+        log.info("SCOUT: recovered step %d (verified=%s)", step, verified)
+
+    def sweep(self, step: int = 0, *, warmup: Callable[[], Any] | None = None) -> ScoutResult:
+        """Collective: replay the full enabled catalog (every block, every dynamic recipe).
+
+        For recovery after a hang: ``result.complete_cycle`` is True only when
+        every recipe was replayed and compared clean in every group. Blocks never
+        seen in a forward (a fresh process) have no shapes: pass ``warmup`` (run
+        one forward on a representative batch) or the sweep is incomplete.
+        """
+        self._check_open()
+        if not self.config.enable:
+            return self._disabled(step)
+        if warmup is not None:
+            with torch.no_grad():
+                warmup()
+        classes = {n for n in ("dense", "optimizer", "dynamic") if self.intervals[n] is not None}
+        return self._sweep(step, classes)
+
+    @property
+    def latched(self) -> str | None:
+        """Why captures are blocked after an SDC (until a verified recovery), or ``None``."""
+        return self.certifier.latched
+
+    def close(self) -> None:
+        """Remove SCOUT's hooks and groups. Collective (destroys process groups)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.config.enable:
+            return
+        if self._pending is not None:
+            self._pending.result()  # every rank has the same broadcast in flight
+            self._pending = None
+        for r in self.executor.recorders:
+            r.remove()
+        self.channel.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ResiliencyError("this Scout is closed; create a new one")
+
+    def _disabled(self, step: int) -> ScoutResult:
+        return ScoutResult(step=step, status=ScoutStatus.HEALTHY, reason="SCOUT disabled")
+
+    def _spec(self, plan: Callable[[], dict[str, Any]]) -> PendingSpec:
+        """Collective in the group: the source plans (``plan``) and broadcasts a spec."""
+        return self.channel.send_spec(plan() if self.is_source else None)
+
+    def _next_regular_spec(self) -> PendingSpec:
+        """Plan the next regular check's spec now; it travels while training runs."""
+        gi = self.groups.index_of(self.rank)
+        enabled = {n for n, every in self.intervals.items() if every is not None}
+        seq = self._seq + 1
+        return self._spec(
+            lambda: self.planner.plan(seq=seq, classes=enabled, progress=self.cycles.progress[gi])
+        )
+
+    def _exchange(
+        self, step: int, spec: dict[str, Any], classes: set[str]
+    ) -> tuple[Assessment, Executed, list[RankReport], dict[str, float], bool]:
+        """Replay ``spec`` (its ``classes``), all-gather the reports, re-run on anomalies."""
+        t0 = time.perf_counter()
+        done = self.executor.run(spec, classes)
+        t1 = time.perf_counter()
+        first = self.channel.gather_reports(self._report(step, done))
+        check_consistent(first, self.groups)
+        exchange = time.perf_counter() - t1
+        replay_s = t1 - t0
+        a = assess(first, self.groups, self.rule)
+        rerun = a.anomalies()
+        if rerun:
+            t2 = time.perf_counter()
+            again = self.executor.run(spec, classes)
+            t3 = time.perf_counter()
+            second = self.channel.gather_reports(self._report(step, again))
+            exchange += time.perf_counter() - t3
+            replay_s += t3 - t2
+            a = assess(first, self.groups, self.rule, second)
+        for cls, text in done.errors.items():
+            log.warning("rank %d: SCOUT %s replay failed: %s", self.rank, cls, text)
+        return a, done, first, {"replay": replay_s, "exchange": exchange}, rerun
+
+    def _report(self, step: int, done: Executed) -> RankReport:
+        return RankReport(self._seq, step, self.fingerprint, self.latched is not None, done.reports)
+
+    def _check(self, step: int, classes: set[str]) -> ScoutResult:
+        t0 = time.perf_counter()
+        bytes0 = self.channel.bytes_exchanged
+        pending = self._pending if self._pending is not None else self._next_regular_spec()
+        self._pending = None
+        self._seq += 1
+        spec = pending.result()
+        wait_s = time.perf_counter() - t0
+        a, done, reports, timings, rerun = self._exchange(step, spec, classes)
+        timings["exchange"] += wait_s
+        self._learn(a, reports)
+        corrupt = bool(a.outcomes(Outcome.SDC) or a.outcomes(Outcome.INCONCLUSIVE))
+        cycle = self.cycles.advance(a, reports, corrupt) if "dynamic" in classes else False
+        result = compose(
+            step,
+            a,
+            self.groups,
+            labels=done.labels,
+            timings={**timings, "total": time.perf_counter() - t0},
+            bytes_exchanged=self.channel.bytes_exchanged - bytes0,
+            rerun=rerun,
+            cycle=cycle,
+        )
+        self.certifier.observe(
+            step, corrupt=result.status.corrupt, reason=result.reason, cycle_complete=cycle
+        )
+        if self.latched is not None and result.capture_allowed:
+            result = blocked(result, self.latched)
+        self._pending = self._next_regular_spec()
+        if self.recorder is not None:
+            self.recorder.rearm()  # fresh shapes from the next forward, for the check after
+        self._last_check = result
+        return self._record(result)
+
+    def _sweep(self, step: int, classes: set[str]) -> ScoutResult:
+        t0 = time.perf_counter()
+        bytes0 = self.channel.bytes_exchanged
+        n_groups = len(self.groups.groups)
+        sizes = [0] * n_groups  # dynamic catalog size per group (learnt in round 0)
+        rounds, r = max(len(self.blocks), 1), 0
+        missing: list[str] = []
+        worst: ScoutResult | None = None
+        timings = {"replay": 0.0, "exchange": 0.0}
+        while r < rounds:
+            self._seq += 1
+            seq, round_ = self._seq, r
+
+            def plan(seq: int = seq, round_: int = round_) -> dict[str, Any]:
+                return self.planner.plan_sweep(seq=seq, round_=round_, classes=classes)
+
+            spec = self._spec(plan).result()
+            a, done, reports, t, rerun = self._exchange(step, spec, classes)
+            self._learn(a, reports)
+            if r == 0 and "dynamic" in classes:
+                sizes = [reports[g[0]].of("dynamic").extra for g in self.groups.groups]
+                rounds = max(rounds, *sizes)
+                missing += [
+                    f"group {gi}: empty dynamic catalog" for gi in range(n_groups) if not sizes[gi]
+                ]
+            for key in ("replay", "exchange"):
+                timings[key] += t[key]
+            for gi in range(n_groups):
+                wanted = []
+                if "dense" in classes and r < len(self.blocks):
+                    wanted.append("dense")
+                if "optimizer" in classes and r < len(self.blocks):
+                    wanted.append("optimizer")
+                if "dynamic" in classes and r < sizes[gi]:
+                    wanted.append("dynamic")
+                for name in wanted:
+                    if a.verdicts[(gi, name)].outcome is not Outcome.CLEAN:
+                        missing.append(f"group {gi} {name} round {r}")
+            res = compose(
+                step,
+                a,
+                self.groups,
+                labels=done.labels,
+                timings=t,
+                bytes_exchanged=0,
+                rerun=rerun,
+                cycle=False,
+            )
+            if worst is None or severity(res.status) > severity(worst.status):
+                worst = res
+            r += 1
+        assert worst is not None
+        complete = not missing and not worst.status.corrupt
+        if worst.reason:
+            reason = worst.reason
+        elif complete:
+            reason = f"complete clean sweep of {r} rounds"
+        else:
+            reason = f"incomplete sweep, no evidence for: {', '.join(missing[:6])}"
+        result = ScoutResult(
+            step=step,
+            status=worst.status,
+            faulty_ranks=worst.faulty_ranks,
+            stragglers=worst.stragglers,
+            recipe=f"sweep of {r} rounds",
+            timings={**timings, "total": time.perf_counter() - t0},
+            bytes_exchanged=self.channel.bytes_exchanged - bytes0,
+            capture_allowed=worst.capture_allowed,
+            reason=reason,
+            rerun=worst.rerun,
+            complete_cycle=complete,
+            groups=worst.groups,
+        )
+        self.certifier.observe(
+            step, corrupt=result.status.corrupt, reason=reason, cycle_complete=False
+        )
+        return self._record(result)
+
+    def _learn(self, a: Assessment, reports: list[RankReport]) -> None:
+        """Disable blocks that cannot be replayed (identically on every rank)."""
+        for (gi, name), v in a.verdicts.items():
+            if name != "dense":
+                continue
+            block = reports[self.groups.groups[gi][0]].of("dense").recipe
+            if v.outcome is Outcome.NONDETERMINISTIC:
+                self._nondeterministic[block] += 1
+                if self._nondeterministic[block] >= _NONDETERMINISTIC_LIMIT:
+                    self._disable(block, v.detail)
+            elif v.outcome is Outcome.NO_EVIDENCE and "failed on every peer" in v.detail:
+                self._disable(block, v.detail)
+
+    def _disable(self, block: int, why: str) -> None:
+        if block in self.planner.disabled or not 0 <= block < len(self.blocks):
+            return
+        self.planner.disabled.add(block)
+        if self.rank == 0:
+            log.warning(
+                "SCOUT no longer replays block %d (%s): %s", block, self.blocks[block].label, why
+            )
+
+    def _record(self, result: ScoutResult) -> ScoutResult:
+        self.last_result = result
+        level = logging.WARNING if result.status is not ScoutStatus.HEALTHY else logging.DEBUG
+        wanted = log.isEnabledFor(level)
+        if self.events is not None or wanted:
+            event = result.to_event()
+            if self.events is not None:
+                self.events.log(CHECK_EVENT, **event)
+            if wanted:
+                log.log(level, "%s %s", CHECK_EVENT, json.dumps({"rank": self.rank, **event}))
+        return result
