@@ -2,7 +2,7 @@
 
 Stable API: the entry point :func:`enable_resiliency` and the
 :class:`ResiliencyHandle` it returns, the configurations
-(:class:`InMemoryCkptConfig`, :class:`MTGSConfig`), the chunk-size estimator
+(:class:`InMemoryCkptConfig`, :class:`MTGSConfig`, :class:`ScoutConfig`), the chunk-size estimator
 (:func:`estimate_chunk_size`), recovery modes and the error hierarchy.
 Low-level pieces live in :mod:`lm_resiliency.experimental`.
 """
@@ -10,6 +10,7 @@ Low-level pieces live in :mod:`lm_resiliency.experimental`.
 from __future__ import annotations
 
 from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.detection.config import ScoutConfig
 from lm_resiliency.errors import (
     CaptureError,
     CheckpointFormatError,
@@ -44,6 +45,7 @@ __all__ = [
     "ReplicationError",
     "ResiliencyError",
     "ResiliencyHandle",
+    "ScoutConfig",
     "StateEncodingError",
     "StepAborted",
     "__version__",

@@ -8,5 +8,6 @@ from __future__ import annotations
 
 from lm_resiliency.capture.engine import CaptureEngine
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
+from lm_resiliency.detection import Scout, decide_recovery
 
-__all__ = ["CaptureEngine", "InMemoryCheckpointManager"]
+__all__ = ["CaptureEngine", "InMemoryCheckpointManager", "Scout", "decide_recovery"]

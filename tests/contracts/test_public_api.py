@@ -35,6 +35,7 @@ STABLE_API = [
     "ReplicationError",
     "ResiliencyError",
     "ResiliencyHandle",
+    "ScoutConfig",
     "StateEncodingError",
     "StepAborted",
     "__version__",
@@ -57,6 +58,7 @@ def test_enable_resiliency_keeps_its_documented_signature() -> None:
     params = inspect.signature(lm_resiliency.enable_resiliency).parameters
     assert list(params) == [
         "model", "optimizer", "interval", "load_fallback", "state", "config", "mtgs", "scout",
+        "failure_kind",
     ]  # fmt: skip
     assert params["interval"].default == 10
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY for n in list(params)[2:])

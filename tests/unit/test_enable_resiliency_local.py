@@ -114,7 +114,7 @@ def test_a_value_that_becomes_unsupported_fails_at_the_first_capture_with_its_ke
         ({"config": {"interval": 5}}, "config must be an InMemoryCkptConfig, got dict"),
         ({"mtgs": MTGSConfig()}, "needs a DistributedDataParallel model"),
         ({"mtgs": {"max_retries": 1}}, "mtgs must be an MTGSConfig, got dict"),
-        ({"scout": object()}, "scout=object"),
+        ({"scout": object()}, "scout must be a ScoutConfig, got object"),
         ({"state": [Counter()]}, "state must be a dict"),
         ({"state": {"a/b": Counter()}}, "state key 'a/b' is invalid"),
         ({"state": {"rng": 3}}, r"state\['rng'\] \(int\) has no state_dict\(\)"),

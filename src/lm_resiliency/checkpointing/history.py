@@ -102,9 +102,14 @@ class History:
             return False
         return self.lineage.eligible(step, timeline)
 
-    def commit(self, parent: str | None, fork_step: int | None) -> None:
-        """Record where this job's timeline came from (once; later calls do nothing)."""
-        if self.committed:
+    def commit(self, parent: str | None, fork_step: int | None, *, replace: bool = False) -> None:
+        """Record where this job's timeline came from (once; later calls do nothing).
+
+        ``replace``: this timeline has written nothing yet, so a later recovery
+        (say, of an older verified step after the latest one was applied) may
+        still say where it really forked.
+        """
+        if self.committed and not replace:
             return
         if parent is None:
             fork_step = None

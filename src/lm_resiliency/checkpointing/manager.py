@@ -616,11 +616,12 @@ class InMemoryCheckpointManager:
         outcome = self._restorer.load(step, RecoveryMode(mode), self.load_fallback)
         self.last_recovery = outcome.report
         chosen = outcome.report.step
+        fresh = self._last_capture is None  # nothing written under this timeline yet
         if chosen is None:
-            self.history.commit(None, None)
+            self.history.commit(None, None, replace=fresh)
         else:
             parent = self._timeline_of(chosen)
-            self.history.commit(parent, chosen)
+            self.history.commit(parent, chosen, replace=fresh)
         return outcome.state
 
     def _timeline_of(self, step: int) -> str | None:

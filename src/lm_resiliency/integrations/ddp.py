@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lm_resiliency.errors import ConfigError
@@ -43,6 +44,7 @@ from lm_resiliency.integrations._ddp_buckets import (
     reducer_params,
     replay_ready_order,
 )
+from lm_resiliency.integrations.base import ParallelLayout
 from lm_resiliency.integrations.module import ModuleAdapter
 
 __all__ = ["DDPAdapter", "make_adapter", "prime_ddp_buckets"]
@@ -102,6 +104,13 @@ class DDPAdapter(ModuleAdapter):
         if self._replay and order:
             replay_ready_order(self.ddp, order)
             self._restored = order
+
+    def parallel_layout(self) -> ParallelLayout:
+        """Every rank of DDP's process group holds a replica of the same parameters."""
+        if not dist.is_initialized():
+            return ParallelLayout()
+        ranks = tuple(dist.get_process_group_ranks(self.ddp.process_group))
+        return ParallelLayout(comparison_groups=(ranks,) if len(ranks) > 1 else ())
 
     def close(self) -> None:
         if self._recorder is not None:

@@ -3,7 +3,9 @@
 ``before_step`` waits for the capture in flight (its copy must be complete
 before the parameters change, or it would mix two steps); ``after_step``
 counts the step and, every ``interval`` steps, asks each capture gate (SCOUT,
-when enabled) whether this step may be captured, then launches the capture.
+when enabled) whether this step may be captured, then launches the capture
+and tells each ``after_capture`` hook (SCOUT certifies it); on every other
+step it runs the ``between`` hooks (SCOUT classes on another cadence).
 Both are timed: the sum is the blocking time per capture the training loop sees.
 """
 
@@ -21,8 +23,8 @@ __all__ = ["BlockingStats", "CaptureBoundary", "CaptureGate", "WaitOnly"]
 CaptureGate = Callable[[int], bool]
 """``gate(step) -> bool`` at a capture boundary, before the capture; ``False`` skips it.
 
-Runs on every rank at the same step; must return the same answer on every rank
-(a job-wide decision, e.g. SCOUT's accepted check)."""
+Runs on every rank at the same step (it may be collective, like SCOUT's check)
+and must return the same answer on every rank (a job-wide decision)."""
 
 
 @dataclass
@@ -57,6 +59,8 @@ class CaptureBoundary:
         self._build_tree = build_tree
         self.step = start_step
         self.gates: list[CaptureGate] = []
+        self.after_capture: list[Callable[[int], None]] = []
+        self.between: list[Callable[[int], object]] = []
         self.stats = BlockingStats()
         self._in_flight = False
 
@@ -72,6 +76,8 @@ class CaptureBoundary:
         self.step += 1
         step = self.step
         if step % self._interval:
+            for hook in self.between:
+                hook(step)
             return
         if not all(gate(step) for gate in self.gates):
             self.stats.skipped += 1
@@ -81,6 +87,8 @@ class CaptureBoundary:
         self.stats.launch_s.append(time.perf_counter() - t0)
         self.stats.captures += 1
         self._in_flight = True
+        for done in self.after_capture:
+            done(step)
 
     def count_only(self) -> None:
         """A step that happened but must not be captured (an MTGS step skipped on exhaustion)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.detection import ComparisonGroups, Scout, ScoutConfig
 from lm_resiliency.integrations.base import Adapter
 from lm_resiliency.integrations.registry import adapter_for
 from lm_resiliency.resiliency.boundary import CaptureBoundary, WaitOnly
@@ -24,6 +26,8 @@ from lm_resiliency.transactions.config import MTGSConfig
 
 __all__ = ["enable_adapter", "enable_resiliency"]
 
+log = logging.getLogger(__name__)
+
 
 def enable_resiliency(
     model: Any,
@@ -34,7 +38,8 @@ def enable_resiliency(
     state: Mapping[str, Any] | None = None,
     config: InMemoryCkptConfig | None = None,
     mtgs: MTGSConfig | None = None,
-    scout: Any = None,
+    scout: ScoutConfig | None = None,
+    failure_kind: str | None = None,
 ) -> ResiliencyHandle:
     """Recover the newest common state, then capture every ``interval`` steps automatically.
 
@@ -53,7 +58,13 @@ def enable_resiliency(
 
     ``interval`` overrides ``config.interval``. ``mtgs=MTGSConfig(...)`` makes
     each step a transaction through :meth:`ResiliencyHandle.train_step` (DDP
-    only). ``scout`` must be ``None`` in this build.
+    only). ``scout=ScoutConfig(...)`` runs a SCOUT check before every capture
+    at the same boundary (a capture is taken only when it is accepted, and a
+    dense check certifies it ``RECOVERY_VERIFIED`` at once; ``handle.last_scout``
+    is the latest result) and makes the recovery on enable follow the failure
+    kind: ``failure_kind`` (``"sdc"``, ``"inaccessible"``, ``"straggler"``,
+    ``"hang"``, ``"unknown"``) or ``$LM_RESILIENCY_FAILURE_KIND`` (an
+    orchestrator's verdict), and a verdict SCOUT persisted before the restart.
 
     Raises ``ConfigError`` for invalid or incompatible arguments (before any
     collective), ``StateEncodingError`` naming the key path of a ``state``
@@ -61,9 +72,16 @@ def enable_resiliency(
     errors from recovery.
     """
     cfg = gemini_config(config, interval)
-    check_scout(scout)
     adapter = adapter_for(model, optimizer)
-    return enable_adapter(adapter, config=cfg, load_fallback=load_fallback, state=state, mtgs=mtgs)
+    return enable_adapter(
+        adapter,
+        config=cfg,
+        load_fallback=load_fallback,
+        state=state,
+        mtgs=mtgs,
+        scout=scout,
+        failure_kind=failure_kind,
+    )
 
 
 def enable_adapter(
@@ -74,6 +92,8 @@ def enable_adapter(
     state: Mapping[str, Any] | None = None,
     mtgs: MTGSConfig | None = None,
     restore_rng: Callable[[dict[str, Any]], None] | None = None,
+    scout: ScoutConfig | None = None,
+    failure_kind: str | None = None,
 ) -> ResiliencyHandle:
     """:func:`enable_resiliency` for an adapter built by the caller (framework integrations).
 
@@ -83,6 +103,7 @@ def enable_adapter(
     :func:`enable_resiliency`.
     """
     mtgs_config = check_mtgs(mtgs, adapter)
+    scout_config = check_scout(scout, adapter)
     adapter.validate_capture()
     layout = adapter.parallel_layout()
     objects = StateObjects(state, complete_scaler_update=mtgs_config is None)
@@ -93,11 +114,18 @@ def enable_adapter(
     tree.validate()
     fallback = load_fallback if load_fallback is not None else adapter.durable_fallback()
     manager = _manager(config, layout.group, layout.replica_ranks, fallback)
+    checker: Scout | None = None
     try:
-        recovery = recover(manager, tree.apply, fallback)
+        if scout_config is not None:
+            checker = _scout(scout_config, adapter, layout, manager)
+        recovery = recover(manager, tree.apply, fallback, scout=checker, failure_kind=failure_kind)
         boundary = CaptureBoundary(
             manager, interval=config.interval, start_step=recovery.step or 0, build_tree=tree.build
         )
+        if checker is not None:
+            boundary.gates.append(checker.before_capture)
+            boundary.after_capture.append(checker.after_capture)
+            boundary.between.append(checker.maybe_check)
         txn = None
         if mtgs_config is not None:
             # After the recovery: the DDP bucket replay runs through DDP's default hook.
@@ -105,7 +133,9 @@ def enable_adapter(
         unbind = adapter.bind(WaitOnly(boundary) if txn is not None else boundary)
     except BaseException:
         adapter.close()
-        manager.close()
+        if checker is not None:
+            checker.close()
+        manager.close(finished=False)
         raise
     return ResiliencyHandle(
         manager=manager,
@@ -114,7 +144,20 @@ def enable_adapter(
         unbind=unbind,
         recovery=recovery,
         mtgs=txn,
+        scout=checker,
     )
+
+
+def _scout(
+    config: ScoutConfig, adapter: Adapter, layout: Any, manager: InMemoryCheckpointManager
+) -> Scout:
+    """SCOUT over the adapter's model and comparison groups, certifying ``manager``'s captures."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    groups = ComparisonGroups.from_ranks(layout.comparison_groups, world_size=world)
+    (model, *rest) = adapter.modules()
+    if rest:
+        log.info("SCOUT checks the first of %d model chunks", 1 + len(rest))
+    return Scout(config, model, manager=manager, groups=groups, interval=manager.config.interval)
 
 
 def _manager(

@@ -23,6 +23,7 @@ from lm_resiliency.resiliency.boundary import BlockingStats, CaptureBoundary, Ca
 from lm_resiliency.resiliency.recover import RecoveryInfo
 
 if TYPE_CHECKING:
+    from lm_resiliency.detection import Scout, ScoutResult
     from lm_resiliency.transactions import MTGS, StepResult
 
 __all__ = ["ResiliencyHandle"]
@@ -36,7 +37,8 @@ class ResiliencyHandle:
     Attributes: ``start_step`` (0 for a fresh job, N after recovering step N:
     train from ``start_step + 1``), ``last_recovery`` (:class:`RecoveryInfo`),
     ``manager`` (the GEMINI manager, for advanced use), ``adapter`` (the
-    framework adapter), ``mtgs`` (the step transaction when ``mtgs=`` was given).
+    framework adapter), ``mtgs`` (the step transaction when ``mtgs=`` was given),
+    ``scout`` (SCOUT when ``scout=`` was given; ``last_scout`` its latest result).
     """
 
     def __init__(
@@ -48,10 +50,12 @@ class ResiliencyHandle:
         unbind: Unbind,
         recovery: RecoveryInfo,
         mtgs: MTGS | None,
+        scout: Scout | None = None,
     ) -> None:
         self.manager = manager
         self.adapter = adapter
         self.mtgs = mtgs
+        self.scout = scout
         self.last_recovery = recovery
         self.start_step = recovery.step or 0
         self._boundary = boundary
@@ -62,6 +66,11 @@ class ResiliencyHandle:
     def step(self) -> int:
         """Completed training steps (``start_step`` plus the steps taken since enable)."""
         return self._boundary.step
+
+    @property
+    def last_scout(self) -> ScoutResult | None:
+        """The latest SCOUT check (``None`` without ``scout=`` or before the first check)."""
+        return self.scout.last_result if self.scout is not None else None
 
     @property
     def interval(self) -> int:
@@ -132,6 +141,8 @@ class ResiliencyHandle:
             self.adapter.close()
             if self.mtgs is not None:
                 self.mtgs.close()
+            if self.scout is not None:
+                self.scout.close()
         finally:
             self.manager.close()
 

@@ -10,6 +10,7 @@ must be the same on every rank and becomes the start step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager, RecoveryReport
+from lm_resiliency.detection import RecoveryDecision, Scout, decide_recovery
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.resiliency._collective import all_gather_ints
 
@@ -44,19 +46,86 @@ class RecoveryInfo:
     sources: tuple[str, ...]
     seconds: float
     report: RecoveryReport | None
+    decision: RecoveryDecision | None = None
+    """SCOUT's recovery decision (failure kind, mode, reason), when SCOUT is enabled."""
 
 
 def recover(
     manager: InMemoryCheckpointManager,
     apply: Callable[[Any], int],
     load_fallback: Callable[[], Any] | None,
+    *,
+    scout: Scout | None = None,
+    failure_kind: str | None = None,
 ) -> RecoveryInfo:
-    """Run the recovery; ``apply(tree)`` restores a GEMINI tree and returns its step."""
+    """Run the recovery; ``apply(tree)`` restores a GEMINI tree and returns its step.
+
+    With ``scout`` the recovery mode follows the failure kind (SCOUT's
+    decision table, ``decide_recovery``): a detected SDC (also one SCOUT
+    persisted before the restart) or an inaccessible machine recovers the newest
+    ``RECOVERY_VERIFIED`` step; an accessible straggler the latest; a hang or
+    unknown failure sweeps SCOUT's catalog over the latest step and keeps it
+    only after a complete clean sweep.
+    """
     t0 = time.perf_counter()
+    if scout is not None:
+        return _recover_decided(manager, apply, load_fallback, scout, failure_kind, t0)
     step = manager.find_latest()
     if step is None and load_fallback is None:
         return RecoveryInfo(None, "fresh", ("fresh",) * manager.world_size, _since(t0), None)
     loaded = manager.load(step)
+    return _applied(manager, apply, loaded, step, t0)
+
+
+def _recover_decided(
+    manager: InMemoryCheckpointManager,
+    apply: Callable[[Any], int],
+    load_fallback: Callable[[], Any] | None,
+    scout: Scout,
+    failure_kind: str | None,
+    t0: float,
+) -> RecoveryInfo:
+    applied: dict[str, Any] = {}
+
+    def load_latest(step: int) -> None:
+        # The sweep replays the state it is about to certify, so apply it first.
+        applied["tree"] = manager.load(step)
+        applied["step"] = manager.last_recovery.step if manager.last_recovery else None
+        if applied["step"] is not None:
+            apply(applied["tree"])
+
+    decision = decide_recovery(
+        manager, failure_kind=failure_kind, scout=scout, load_latest=load_latest
+    )
+    log.info(
+        "recovery decision: %s -> %s step %s (%s)",
+        decision.failure_kind.value,
+        decision.mode.value,
+        decision.step,
+        decision.reason,
+    )
+    if decision.step is not None and applied.get("step") == decision.step:
+        report = manager.last_recovery
+        assert report is not None
+        return RecoveryInfo(
+            decision.step, "gemini", tuple(report.sources), _since(t0), report, decision
+        )
+    if decision.step is None and load_fallback is None:
+        return RecoveryInfo(
+            None, "fresh", ("fresh",) * manager.world_size, _since(t0), None, decision
+        )
+    loaded = manager.load(decision.step, mode=decision.mode)
+    info = _applied(manager, apply, loaded, decision.step, t0)
+    return dataclasses.replace(info, decision=decision)
+
+
+def _applied(
+    manager: InMemoryCheckpointManager,
+    apply: Callable[[Any], int],
+    loaded: Any,
+    step: int | None,
+    t0: float,
+) -> RecoveryInfo:
     report = manager.last_recovery
     assert report is not None
     if report.step is not None:

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.detection.config import ScoutConfig
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.integrations.base import Adapter
 from lm_resiliency.transactions.config import MTGSConfig
@@ -66,11 +67,24 @@ def check_mtgs(mtgs: Any, adapter: Adapter) -> MTGSConfig | None:
     return mtgs
 
 
-def check_scout(scout: Any) -> None:
-    """SCOUT is not wired into ``enable_resiliency`` yet; only ``scout=None`` is accepted."""
-    if scout is not None:
+def check_scout(scout: Any, adapter: Adapter) -> ScoutConfig | None:
+    """``scout`` must be ``None`` or a ``ScoutConfig``; SCOUT needs replicas to compare.
+
+    Raises ``ConfigError`` for another type, or when the model has no
+    data-parallel replicas (a single process, or FSDP2 without a replicate
+    dimension): SCOUT's comparison needs at least two ranks holding the same
+    parameters.
+    """
+    if scout is None:
+        return None
+    if not isinstance(scout, ScoutConfig):
         raise ConfigError(
-            f"scout={type(scout).__name__}(...) is not supported by this build of "
-            "enable_resiliency yet; pass scout=None (a SCOUT check can run before each "
-            "capture through handle.add_capture_gate)"
+            f"scout must be a ScoutConfig, got {type(scout).__name__}; e.g. scout=ScoutConfig()"
         )
+    if scout.enable and not adapter.parallel_layout().comparison_groups:
+        raise ConfigError(
+            f"scout=ScoutConfig(...) compares data-parallel replicas, but this "
+            f"{adapter.framework!r} model has none (one process, or sharded without a replicate "
+            "dimension); train with DDP or HSDP, or leave scout=None"
+        )
+    return scout
