@@ -1,0 +1,61 @@
+"""Interim front door for the framework workers: manager + adapter + step boundary.
+
+Stands in for ``enable_resiliency`` until branch ``front`` provides it: it does
+what the handle does at enable time (recover collectively, then hang the
+capture off the adapter's step boundary) with the public manager API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.experimental import InMemoryCheckpointManager
+from lm_resiliency.integrations.base import Adapter
+
+
+class Handle:
+    """start_step, last_recovery, manager; close()."""
+
+    def __init__(self, adapter: Adapter, config: InMemoryCkptConfig) -> None:
+        self.adapter = adapter
+        self.manager = InMemoryCheckpointManager(config, load_fallback=adapter.durable_fallback())
+        self.step = 0
+        self.source = "fresh"
+        if self.manager.find_latest() is not None:
+            tree = self.manager.load()
+            adapter.load_state_dict(tree["adapter"])
+            torch.set_rng_state(tree["rng"])
+            self.step = int(tree["step"])
+            self.source = "gemini"
+        elif adapter.durable_fallback() is not None:
+            restored = self.manager.load()
+            if restored is not None:
+                self.step = int(restored)
+                self.source = "fallback"
+        self.start_step = self.step
+        self.last_recovery = self.manager.last_recovery
+        self._unbind = adapter.bind(self)
+
+    def before_step(self) -> None:
+        self.manager.maybe_wait()
+
+    def after_step(self) -> None:
+        self.step += 1
+        if self.step % self.manager.config.interval == 0:
+            tree: dict[str, Any] = {
+                "adapter": self.adapter.state_dict(),
+                "rng": torch.get_rng_state(),
+                "step": self.step,
+            }
+            self.manager.save(tree, self.step)
+
+    def close(self) -> None:
+        self._unbind()
+        self.manager.close()
+
+
+def enable(adapter: Adapter, config: InMemoryCkptConfig) -> Handle:
+    return Handle(adapter, config)
