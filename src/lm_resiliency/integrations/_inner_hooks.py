@@ -32,14 +32,15 @@ __all__ = ["bind_deferred_steps"]
 
 
 def bind_deferred_steps(
-    inner: torch.optim.Optimizer,
+    inners: Sequence[torch.optim.Optimizer],
     calls_per_step: int,
     modules: Sequence[torch.nn.Module],
     boundary: StepBoundary,
 ) -> Unbind:
     """Hook ``inner`` and ``modules`` as described in the module doc; returns the remover.
 
-    ``calls_per_step``: how many ``inner.step()`` calls make one training step.
+    ``calls_per_step``: how many ``step()`` calls of the ``inners`` together make
+    one training step (Megatron's chained optimizers step each inner once).
     Removing the hooks first delivers a pending ``after_step`` (the last step of
     a run is counted and captured). Raises ``ConfigError`` for a non-positive
     ``calls_per_step`` or no module.
@@ -73,7 +74,8 @@ def bind_deferred_steps(
     def forward_pre(module: torch.nn.Module, args: Any) -> None:
         deliver()
 
-    handles = [inner.register_step_pre_hook(pre), inner.register_step_post_hook(post)]
+    handles = [o.register_step_pre_hook(pre) for o in inners]
+    handles += [o.register_step_post_hook(post) for o in inners]
     handles += [m.register_forward_pre_hook(forward_pre) for m in modules]
 
     def unbind() -> None:

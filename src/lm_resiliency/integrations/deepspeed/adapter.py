@@ -84,7 +84,8 @@ class DeepSpeedAdapter(AdapterBase):
     # ------------------------------------------------------------------ seam
     def bind(self, boundary: StepBoundary) -> Unbind:
         view = self.view
-        return bind_deferred_steps(view.inner, view.inner_steps_per_step, self.modules(), boundary)
+        steps = view.inner_steps_per_step
+        return bind_deferred_steps([view.inner], steps, self.modules(), boundary)
 
     def _identity(self) -> dict[str, Any]:
         return {
