@@ -7,6 +7,7 @@ capture off the adapter's step boundary) with the public manager API.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -36,21 +37,32 @@ class Handle:
                 self.step = int(restored)
                 self.source = "fallback"
         self.start_step = self.step
+        # Blocking time per capture as the loop sees it: state_dict + save at the boundary,
+        # plus the wait before the next step (benchmarks/frameworks.py reports it).
+        self.blocking_s: list[float] = []
+        self._waiting = False
         self.last_recovery = self.manager.last_recovery
         self._unbind = adapter.bind(self)
 
     def before_step(self) -> None:
+        t0 = time.perf_counter()
         self.manager.maybe_wait()
+        if self._waiting:
+            self._waiting = False
+            self.blocking_s[-1] += time.perf_counter() - t0
 
     def after_step(self) -> None:
         self.step += 1
         if self.step % self.manager.config.interval == 0:
+            t0 = time.perf_counter()
             tree: dict[str, Any] = {
                 "adapter": self.adapter.state_dict(),
                 "rng": torch.get_rng_state(),
                 "step": self.step,
             }
             self.manager.save(tree, self.step)
+            self.blocking_s.append(time.perf_counter() - t0)
+            self._waiting = True
 
     def close(self) -> None:
         self._unbind()

@@ -20,6 +20,17 @@ REPO = Path(__file__).resolve().parents[2]
 EXTENSIONS_DIR = REPO / ".cache" / "torch_extensions"
 
 
+def clear_stale_build_locks(root: Path = EXTENSIONS_DIR) -> None:
+    """Remove torch's JIT build locks left by a killed job in this checkout's cache.
+
+    torch.utils.cpp_extension holds a lock *file* while it builds or checks an
+    extension; a job killed meanwhile leaves it behind and every later job would
+    wait on it forever. Call only while no job of this checkout is running.
+    """
+    for lock in root.glob("*/lock"):
+        lock.unlink(missing_ok=True)
+
+
 @dataclass(frozen=True)
 class Job:
     """One finished torchrun job: its output, the per-attempt reports and the final tensors."""
@@ -48,6 +59,7 @@ def run_job(
         "PYTHONPATH": str(REPO / "src"),
         **(env or {}),
     }
+    clear_stale_build_locks()
     entry = [str(worker), "--run-dir", str(run_dir), "--disk", str(disk), *args]
     done = run_torchrun(entry, nproc, max_restarts=max_restarts, env=child_env, timeout_s=timeout_s)
     assert done.returncode == 0 and not done.timed_out, done.describe()
