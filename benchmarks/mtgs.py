@@ -107,7 +107,10 @@ def bench_throughput(rank: int, world: int, rounds: int, steps: int) -> dict[str
     for name, (step, txn) in runners.items():
         before = dict(txn.collectives) if txn is not None else {}
         per_step = _collectives(step, 4)
-        own = (txn.collectives["explicit_votes"] - before["explicit_votes"]) / 4 if txn else 0.0
+        own = 0.0
+        if txn is not None:
+            kinds = ("explicit_votes", "commit_confirmations")
+            own = sum(txn.collectives[k] - before[k] for k in kinds) / 4
         out[name] = {
             "step_s": statistics.median(times[name]),
             "tokens_per_s": world * BATCH * SEQ / statistics.median(times[name]),

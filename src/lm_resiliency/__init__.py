@@ -1,7 +1,9 @@
 """lm-resiliency: fast failure recovery for distributed PyTorch training.
 
-Stable API: the configuration (:class:`InMemoryCkptConfig`), the chunk-size
-estimator (:func:`estimate_chunk_size`), recovery modes and the error hierarchy.
+Stable API: the entry point :func:`enable_resiliency` and the
+:class:`ResiliencyHandle` it returns, the configurations
+(:class:`InMemoryCkptConfig`, :class:`MTGSConfig`), the chunk-size estimator
+(:func:`estimate_chunk_size`), recovery modes and the error hierarchy.
 Low-level pieces live in :mod:`lm_resiliency.experimental`.
 """
 
@@ -23,6 +25,8 @@ from lm_resiliency.errors import (
 )
 from lm_resiliency.recovery.mode import RecoveryMode
 from lm_resiliency.replication.chunking import estimate_chunk_size
+from lm_resiliency.resiliency import ResiliencyHandle, enable_resiliency
+from lm_resiliency.transactions.config import MTGSConfig
 
 __version__ = "0.3.0"
 
@@ -33,13 +37,16 @@ __all__ = [
     "IdentityMismatch",
     "InMemoryCkptConfig",
     "IntegrityError",
+    "MTGSConfig",
     "NoConsistentStep",
     "RankFailures",
     "RecoveryMode",
     "ReplicationError",
     "ResiliencyError",
+    "ResiliencyHandle",
     "StateEncodingError",
     "StepAborted",
     "__version__",
+    "enable_resiliency",
     "estimate_chunk_size",
 ]

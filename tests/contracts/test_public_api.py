@@ -21,6 +21,47 @@ def test_stable_api_names_are_exported() -> None:
     from lm_resiliency.experimental import InMemoryCheckpointManager  # noqa: F401
 
 
+STABLE_API = [
+    "CaptureError",
+    "CheckpointFormatError",
+    "ConfigError",
+    "IdentityMismatch",
+    "InMemoryCkptConfig",
+    "IntegrityError",
+    "MTGSConfig",
+    "NoConsistentStep",
+    "RankFailures",
+    "RecoveryMode",
+    "ReplicationError",
+    "ResiliencyError",
+    "ResiliencyHandle",
+    "StateEncodingError",
+    "StepAborted",
+    "__version__",
+    "enable_resiliency",
+    "estimate_chunk_size",
+]
+"""The stable API, frozen: changing ``lm_resiliency.__all__`` must change this list too."""
+
+
+def test_the_stable_api_is_exactly_the_frozen_list() -> None:
+    assert sorted(lm_resiliency.__all__) == sorted(STABLE_API)
+    assert len(set(lm_resiliency.__all__)) == len(lm_resiliency.__all__)
+    for name in STABLE_API:
+        assert hasattr(lm_resiliency, name), name
+
+
+def test_enable_resiliency_keeps_its_documented_signature() -> None:
+    import inspect
+
+    params = inspect.signature(lm_resiliency.enable_resiliency).parameters
+    assert list(params) == [
+        "model", "optimizer", "interval", "load_fallback", "state", "config", "mtgs", "scout",
+    ]  # fmt: skip
+    assert params["interval"].default == 10
+    assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY for n in list(params)[2:])
+
+
 def test_readme_quickstart_names_the_make_targets_that_exist() -> None:
     readme = (ROOT / "README.md").read_text()
     makefile = (ROOT / "Makefile").read_text()

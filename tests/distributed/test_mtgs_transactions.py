@@ -164,9 +164,12 @@ def test_fault_free_mtgs_equals_plain_ddp_and_adds_no_collective_without_2pc(
         assert _aborts(reference[rank]) == {}
         # the vote rode on the gradient buckets: no collective of MTGS's own
         assert lean[rank]["collectives"]["explicit_votes"] == 0
+        assert lean[rank]["collectives"]["commit_confirmations"] == 0
         assert lean[rank]["collectives"]["fallback_allreduces"] == 0
-        # full protocol: exactly one commit confirmation per step
-        assert reference[rank]["collectives"]["explicit_votes"] == _STEPS
+        assert lean[rank]["collectives"]["votes_in_buckets"] == _STEPS
+        # full protocol: exactly one commit confirmation per step, no explicit vote
+        assert reference[rank]["collectives"]["commit_confirmations"] == _STEPS
+        assert reference[rank]["collectives"]["explicit_votes"] == 0
     assert reference[0]["collectives"]["bucket_allreduces"] > 2 * _STEPS  # several buckets
 
 
@@ -293,8 +296,10 @@ def test_hookless_vote_ablation_still_aborts_consistently(reference: list[dict[s
             4: [("vote", {0: ("forward_exception",)})],
         }
         assert _equal(out[rank]["state"], reference[rank]["state"])
-        # one explicit vote per attempt plus one commit confirmation per step
-        assert out[rank]["collectives"]["explicit_votes"] == (_STEPS + 2) + _STEPS
+        # one explicit vote per attempt, one commit confirmation per committed step
+        assert out[rank]["collectives"]["explicit_votes"] == _STEPS + 2
+        assert out[rank]["collectives"]["commit_confirmations"] == _STEPS
+        assert out[rank]["collectives"]["votes_in_buckets"] == 0
 
 
 def test_without_2pc_a_failed_update_is_repaired_locally(reference: list[dict[str, Any]]) -> None:
@@ -304,6 +309,7 @@ def test_without_2pc_a_failed_update_is_repaired_locally(reference: list[dict[st
     assert len(out[1]["records"][2]["updates"]) == 2  # rank 1 redid its update on its own
     for rank in range(2):
         assert out[rank]["collectives"]["explicit_votes"] == 0
+        assert out[rank]["collectives"]["commit_confirmations"] == 0
         assert _equal(out[rank]["state"], reference[rank]["state"])
 
 

@@ -1,4 +1,4 @@
-"""Bit-identical resumption of DistributedDataParallel training.
+"""DistributedDataParallel: the adapter enable_resiliency uses, and bit-identical resumption.
 
 Why a restored DDP run drifts: DDP packs gradients into buckets and all-reduces
 each bucket as one flat tensor. A freshly built DDP lays out its buckets in
@@ -11,29 +11,110 @@ resumed from a bit-exact checkpoint therefore takes its first step with the
 *initial* layout while the uninterrupted run used the *rebuilt* one, and the two
 diverge from there.
 
-:func:`prime_ddp_buckets` runs one discarded forward/backward right after the
-DDP module is built from restored state, so DDP records the ready order and
-rebuilds the same buckets at the next forward, exactly as the uninterrupted run
-did after its first step. Everything the discarded pass touches (gradients,
-buffers such as BatchNorm statistics, the torch RNG that dropout draws from) is
-put back, and no optimizer step runs, so the resumed run continues from the
-restored state with the uninterrupted run's bucket layout.
+:class:`DDPAdapter` (what ``enable_resiliency`` uses) needs nothing from the
+user: it records the gradient-ready order of the first backward pass, captures
+it with every checkpoint, and after a restore replays it through the reducer's
+own hooks so the next forward rebuilds the uninterrupted run's buckets (see
+:mod:`lm_resiliency.integrations._ddp_buckets` for how, and which DDP
+configurations are rejected).
 
-Alternatives considered: ``static_graph=True`` still rebuilds after the first
-iteration; ``find_unused_parameters=True`` never rebuilds, but it changes the
-layout of the uninterrupted run too and costs a graph traversal every step;
-DDP has no public way to build a module with a given bucket order, and setting
-its reducer's private state is exactly the monkey-patching this library avoids.
+:func:`prime_ddp_buckets` is the older, manual way for code that drives the
+manager itself: it runs one discarded forward/backward right after the DDP
+module is built from restored state, so DDP records the ready order and
+rebuilds the same buckets at the next forward. Everything the discarded pass
+touches (gradients, buffers such as BatchNorm statistics, the torch RNG that
+dropout draws from) is put back, and no optimizer step runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["prime_ddp_buckets"]
+from lm_resiliency.errors import ConfigError
+from lm_resiliency.integrations._ddp_buckets import (
+    ReadyOrder,
+    check_replayable,
+    needs_replay,
+    reducer_params,
+    replay_ready_order,
+)
+from lm_resiliency.integrations.module import ModuleAdapter
+
+__all__ = ["DDPAdapter", "make_adapter", "prime_ddp_buckets"]
+
+log = logging.getLogger(__name__)
+
+
+class DDPAdapter(ModuleAdapter):
+    """A ``DistributedDataParallel`` model: the wrapped module, the optimizers, the bucket order.
+
+    Construct before the first forward after the DDP was built (the recorder
+    must see the first backward pass). ``load_state_dict`` is collective: it
+    replays the captured gradient-ready order (one all-reduce of zero buckets).
+    Raises ``ConfigError`` for DDP configurations whose resumed layout cannot
+    be re-established (``static_graph=True``, the Python reducer).
+    """
+
+    framework = "ddp"
+
+    def __init__(
+        self, ddp: DistributedDataParallel, optimizers: Sequence[torch.optim.Optimizer]
+    ) -> None:
+        super().__init__(ddp.module, optimizers)
+        self.ddp = ddp
+        check_replayable(ddp)
+        self._replay = needs_replay(ddp)
+        self._recorder = ReadyOrder(reducer_params(ddp)) if self._replay else None
+        self._restored: list[int] | None = None
+
+    def ready_order(self) -> list[int]:
+        """The gradient-ready order this run's buckets follow ([] when DDP never rebuilds)."""
+        if self._recorder is not None and self._recorder.order is not None:
+            if self._restored is not None and self._recorder.order != self._restored:
+                log.warning(
+                    "DDP's gradient-ready order changed after the restore (%s -> %s); the "
+                    "buckets follow the restored one",
+                    self._restored,
+                    self._recorder.order,
+                )
+                self._recorder.order = list(self._restored)
+            return list(self._recorder.order)
+        return list(self._restored) if self._restored is not None else []
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["ddp"] = {"ready_order": self.ready_order()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        order = list(state.get("ddp", {}).get("ready_order", []))
+        if self._replay and not order:
+            log.warning(
+                "the checkpoint holds no DDP gradient-ready order (its first backward pass "
+                "marked a parameter ready twice); the first resumed step may round differently"
+            )
+        if self._replay and order:
+            replay_ready_order(self.ddp, order)
+            self._restored = order
+
+    def close(self) -> None:
+        if self._recorder is not None:
+            self._recorder.remove()
+
+
+def make_adapter(
+    ddp: DistributedDataParallel, optimizers: Sequence[torch.optim.Optimizer], **options: Any
+) -> DDPAdapter:
+    """The registry's factory; ``options`` must be empty."""
+    if options:
+        raise ConfigError(f"the DDP adapter takes no options, got {sorted(options)}")
+    return DDPAdapter(ddp, optimizers)
 
 
 def prime_ddp_buckets(

@@ -7,11 +7,12 @@ them, and its healthy peers would wait in the all-reduce until the process
 group times out. This module issues, on the failed rank only, exactly what
 the rest of the step would have issued:
 
-1. if the DDP model was never called this attempt: what ``DDP.forward`` does
-   before the module runs (the one-time bucket rebuild broadcast, the buffer
-   broadcast when ``broadcast_buffers`` applies);
-2. if the DDP forward did not finish: the post-forward buffer broadcast when a
-   buffer hook asks for it;
+1. for every DDP forward of the attempt it never entered (one per micro-batch
+   when gradients are accumulated): what ``DDP.forward`` does before the
+   module runs (the one-time bucket rebuild broadcast, the buffer broadcast
+   when ``broadcast_buffers`` applies);
+2. for every DDP forward that did not finish: the post-forward buffer
+   broadcast when a buffer hook asks for it;
 3. every gradient bucket not yet launched, filled with zeros and sent through
    the registered comm hook, so the last one carries this rank's abort code.
 
@@ -69,17 +70,18 @@ def check_supported(ddp: DistributedDataParallel) -> None:
 
 
 class ForwardProbe:
-    """Tracks how far the DDP forward got in the current attempt (three module hooks).
+    """Tracks how far the DDP forwards of the current attempt got (three module hooks).
 
-    ``entered``: the DDP model was called; ``module_entered``: DDP's pre-forward
-    collectives finished and the wrapped module started; ``finished``: the DDP
-    forward returned (its post-forward work is done).
+    ``calls``: DDP forwards entered this attempt (one per micro-batch);
+    ``module_entered``: the latest forward's pre-forward collectives finished
+    and the wrapped module started; ``finished``: DDP forwards that returned
+    (their post-forward work is done).
     """
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
         self.calls = 0
         self.module_entered = False
-        self.finished = False
+        self.finished = 0
         self._handles = [
             ddp.register_forward_pre_hook(self._on_enter),
             ddp.module.register_forward_pre_hook(self._on_module),
@@ -90,7 +92,7 @@ class ForwardProbe:
         """Call before each attempt."""
         self.calls = 0
         self.module_entered = False
-        self.finished = False
+        self.finished = 0
 
     @property
     def entered(self) -> bool:
@@ -103,33 +105,44 @@ class ForwardProbe:
 
     def _on_enter(self, module: Any, args: Any) -> None:
         self.calls += 1
+        self.module_entered = False
 
     def _on_module(self, module: Any, args: Any) -> None:
         self.module_entered = True
 
     def _on_exit(self, module: Any, args: Any, output: Any) -> None:
-        self.finished = True
+        self.finished += 1
 
 
 def complete_collectives(
-    ddp: DistributedDataParallel, probe: ForwardProbe, buckets_launched: int
+    ddp: DistributedDataParallel,
+    probe: ForwardProbe,
+    buckets_launched: int,
+    *,
+    forwards: int = 1,
 ) -> int:
     """Issue the rest of this attempt's collectives on a rank whose step raised.
 
     Call on the failed rank only, after the exception, with grad mode enabled
     (as the training step had it) and the rank's abort code already marked on
-    the hook state. Blocks until the zero buckets are reduced (bounded by the
+    the hook state. ``forwards`` is the number of DDP forwards every healthy
+    rank runs this attempt (one per micro-batch; all but the last under
+    ``no_sync()``). Blocks until the zero buckets are reduced (bounded by the
     process group's timeout). Returns the number of bucket all-reduces issued.
     """
-    if not probe.entered:
-        # Mirrors DDP._pre_forward: the rebuild is a no-op except on the one
-        # iteration where every rank broadcasts the rebuilt bucket order.
-        if torch.is_grad_enabled():
-            ddp.reducer._rebuild_buckets()
-        if ddp._check_sync_bufs_pre_fwd():  # type: ignore[no-untyped-call]
+    for j in range(probe.finished, forwards):
+        if j >= probe.calls:
+            # Mirrors DDP._pre_forward: the rebuild is a no-op except on the one
+            # forward where every rank broadcasts the rebuilt bucket order.
+            if torch.is_grad_enabled():
+                ddp.reducer._rebuild_buckets()
+            if ddp._check_sync_bufs_pre_fwd():  # type: ignore[no-untyped-call]
+                ddp._sync_buffers()  # type: ignore[no-untyped-call]
+        if ddp._check_sync_bufs_post_fwd():  # type: ignore[no-untyped-call]
             ddp._sync_buffers()  # type: ignore[no-untyped-call]
-    if not probe.finished and ddp._check_sync_bufs_post_fwd():  # type: ignore[no-untyped-call]
-        ddp._sync_buffers()  # type: ignore[no-untyped-call]
+        # What DDP._post_forward leaves behind: only the synced (last) forward asks
+        # the next forward to broadcast buffers again.
+        ddp.require_forward_param_sync = j == forwards - 1
     buckets = ddp.reducer._get_zeros_like_grad_buckets()
     futures = [ddp.reducer._run_comm_hook(b) for b in buckets[buckets_launched:]]
     for fut in futures:

@@ -11,7 +11,9 @@ the world size, all-reduce with SUM) plus two cheap things:
 * it adds the bucket's local sum to a running device scalar (no ``.item()``,
   no synchronisation): a non-finite sum means a non-finite local gradient, so
   the vote can name the rank it came from;
-* on the last bucket of the backward pass (``bucket.is_last()``) it appends a
+* on the last bucket of the synchronised backward pass (``bucket.is_last()``;
+  with gradient accumulation the last micro-batch's, the others run under
+  ``DDP.no_sync()`` and reduce nothing) it appends a
   vector of ``world_size`` slots to the flattened bucket; this rank writes its
   abort code into its own slot and zero elsewhere, so after the SUM every rank
   holds every rank's code. The vote costs no extra collective, only the copy
@@ -71,7 +73,7 @@ class MTGSState:
         self.buckets_launched = 0
         self.vote_cast = False
         self.host_code = 0
-        self._loss: torch.Tensor | None = None
+        self._loss_bad: torch.Tensor | None = None
         self._health: torch.Tensor | None = None
         self._grad_sum: torch.Tensor | None = None
         self._reduced: torch.Tensor | None = None
@@ -95,12 +97,23 @@ class MTGSState:
         self.host_code |= reasons
 
     def watch_loss(self, loss: torch.Tensor) -> None:
-        """Vote ``NONFINITE_LOSS`` if ``loss`` is not finite (checked on device, no sync)."""
-        self._loss = loss.detach()
+        """Vote ``NONFINITE_LOSS`` if ``loss`` is not finite (checked on device, no sync).
+
+        Called once per micro-batch when gradients are accumulated: the verdicts
+        are folded (any non-finite micro-batch loss votes abort).
+        """
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._loss_bad = (
+            bad if self._loss_bad is None else self._loss_bad | bad.to(self._loss_bad.device)
+        )
 
     def watch_health(self, healthy: torch.Tensor) -> None:
-        """Vote ``HEALTH_CHECK`` if the boolean tensor ``healthy`` is false (on device)."""
-        self._health = healthy.detach()
+        """Vote ``HEALTH_CHECK`` if the boolean tensor ``healthy`` is false (on device).
+
+        Folded over micro-batches like :meth:`watch_loss` (all must be healthy).
+        """
+        ok = healthy.detach().to(torch.bool).all()
+        self._health = ok if self._health is None else self._health & ok.to(self._health.device)
 
     def reduced_codes(self) -> torch.Tensor | None:
         """The summed vote vector (slot r = rank r's code) or ``None`` if no vote was cast."""
@@ -118,8 +131,8 @@ class MTGSState:
         if self._grad_sum is not None:
             bad = ~torch.isfinite(self._grad_sum)
             code = code + bad.to(torch.float32) * float(AbortReason.NONFINITE_GRAD)
-        if self._loss is not None:
-            bad = ~torch.isfinite(self._loss.to(device))
+        if self._loss_bad is not None:
+            bad = self._loss_bad.to(device)
             code = code + bad.to(torch.float32) * float(AbortReason.NONFINITE_LOSS)
         if self._health is not None:
             bad = ~self._health.to(device=device, dtype=torch.bool)

@@ -35,6 +35,7 @@ the launcher restarts the job and GEMINI recovers it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable
@@ -60,7 +61,7 @@ from lm_resiliency.transactions.reasons import AbortReason, decode_codes, descri
 from lm_resiliency.transactions.result import AbortRecord, StepResult
 from lm_resiliency.transactions.rng import RngState
 from lm_resiliency.transactions.shadow import Shadow
-from lm_resiliency.transactions.vote import VoteCounter, exchange_codes
+from lm_resiliency.transactions.vote import CollectiveCounter, exchange_codes
 
 HealthCheck = Callable[[torch.Tensor], "bool | torch.Tensor"]
 
@@ -139,7 +140,8 @@ class MTGS:
         self.world_size = dist.get_world_size(self.group)
         self.ettr = ettr if ettr is not None else EttrTimer(self.rank)
         self.committed_steps = committed_steps
-        self.votes = VoteCounter()
+        self.counters = CollectiveCounter()
+        self._last_loss = torch.zeros(())
         self._local_error: str | None = None
         self._current_attempt = 0
         self._applied = False
@@ -161,15 +163,27 @@ class MTGS:
 
     # -- public ----------------------------------------------------------------
 
-    def step(self, closure: Callable[[], torch.Tensor]) -> StepResult:
+    def step(self, closure: Callable[..., torch.Tensor], *, micro_batches: int = 1) -> StepResult:
         """Run one step as a transaction; see the module doc for the protocol.
 
-        Collective: every rank calls it once per step. Returns a
-        :class:`StepResult`; raises :class:`StepAborted` when the step still
-        fails after ``max_retries`` retries (parameters are those from before
-        the step), :class:`CollectiveTimeout` or :class:`StepAborted` when a
-        peer is lost.
+        Collective: every rank calls it once per step. With ``micro_batches=k > 1``
+        gradients are accumulated over ``k`` micro-batches: ``closure(i)``
+        (``i`` = 0..k-1) runs micro-batch ``i``'s forward and returns its loss
+        (scaled as the caller wants, e.g. by ``1/k``); MTGS runs its backward,
+        micro-batches ``0..k-2`` under ``DDP.no_sync()``. Every micro-batch's
+        health (exceptions, non-finite loss, health check) is folded into the
+        vote carried by the last micro-batch's all-reduce: still zero extra
+        collectives. An abort retries all ``k`` micro-batches with the same
+        RNG and data state. Returns a :class:`StepResult` (``loss`` is the sum
+        of the micro-batch losses); raises :class:`StepAborted` when the step
+        still fails after ``max_retries`` retries (parameters are those from
+        before the step), :class:`CollectiveTimeout` or :class:`StepAborted`
+        when a peer is lost, ``ValueError`` for ``micro_batches < 1``.
         """
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int):
+            raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches={micro_batches} must be >= 1 (1: no accumulation)")
         step = self.committed_steps + 1
         start_ns = time.perf_counter_ns()
         rng = RngState.capture()
@@ -182,7 +196,7 @@ class MTGS:
         self._local_error = None
         for attempt in range(self.config.max_retries + 1):
             try:
-                loss = self._attempt(closure, step, attempt)
+                loss = self._attempt(closure, step, attempt, micro_batches)
             except _AbortedError as abort:
                 last = abort
                 data_after = self.data_state.state_dict() if self.data_state else None
@@ -222,11 +236,20 @@ class MTGS:
 
     @property
     def collectives(self) -> dict[str, int]:
-        """Collectives issued so far: bucket all-reduces, explicit votes, fallback buckets."""
+        """Collectives so far, by kind (the names say what each counts).
+
+        ``bucket_allreduces``: gradient buckets the comm hook all-reduced;
+        ``votes_in_buckets``: votes carried inside a last bucket (no collective of
+        their own); ``explicit_votes``: vote all-reduces of the hook-less mode;
+        ``commit_confirmations``: two-phase-commit confirmation all-reduces;
+        ``fallback_allreduces``: zero buckets a failed rank sent for its peers.
+        """
         return {
             "bucket_allreduces": self.hook.bucket_allreduces,
-            "explicit_votes": self.votes.explicit_votes,
-            "fallback_allreduces": self.votes.fallback_allreduces,
+            "votes_in_buckets": self.hook.votes_carried,
+            "explicit_votes": self.counters.explicit_votes,
+            "commit_confirmations": self.counters.commit_confirmations,
+            "fallback_allreduces": self.counters.fallback_allreduces,
         }
 
     def close(self) -> None:
@@ -238,9 +261,13 @@ class MTGS:
     # -- one attempt -----------------------------------------------------------
 
     def _attempt(
-        self, closure: Callable[[], torch.Tensor], step: int, attempt: int
+        self,
+        closure: Callable[..., torch.Tensor],
+        step: int,
+        attempt: int,
+        micro_batches: int,
     ) -> torch.Tensor:
-        """Forward, backward, vote, commit; returns the loss or raises ``_AbortedError``."""
+        """Forward(s), backward(s), vote, commit; returns the loss or raises ``_AbortedError``."""
         self.probe.reset()
         self.hook.begin()
         self._current_attempt = attempt
@@ -248,34 +275,25 @@ class MTGS:
         code = 0
         if attempt == 0 and step in self.config.force_abort_steps:
             code |= AbortReason.FORCED
-        loss: torch.Tensor | None = None
+        losses: list[torch.Tensor] = []
         failed = False
         try:
             if self.faults is not None:
                 self.faults.at_attempt(step, attempt)
                 if self.faults.forced_abort():
                     code |= AbortReason.FORCED
-            loss = _as_loss(closure(), self.probe.calls)
         except Exception as exc:
             self._raise_if_comm(exc, step, "forward pass")
             code |= health.exception_code(exc, AbortReason.FORWARD_EXCEPTION)
             failed = True
             self._log_local(exc, step, attempt, "forward")
-
-        if loss is not None:
-            try:
-                code |= self._check_loss(loss)
-            except Exception as exc:  # a broken predicate is an unhealthy vote, not a hang
-                code |= AbortReason.HEALTH_CHECK
-                self._log_local(exc, step, attempt, "health check")
-            self.hook.mark(code)
-            try:
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            except Exception as exc:
-                self._raise_if_comm(exc, step, "backward pass (gradient all-reduce)")
-                code |= health.exception_code(exc, AbortReason.BACKWARD_EXCEPTION)
-                failed = True
-                self._log_local(exc, step, attempt, "backward")
+        for k in range(micro_batches if not failed else 0):
+            last = k == micro_batches - 1
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                code, failed = self._micro_batch(closure, step, attempt, k, micro_batches, code)
+            if failed:
+                break
+            losses.append(self._last_loss)
 
         late = 0
         if failed:
@@ -287,19 +305,58 @@ class MTGS:
                 self.hook.mark(code)
                 try:
                     n = fallback.complete_collectives(
-                        self.model, self.probe, self.hook.buckets_launched
+                        self.model, self.probe, self.hook.buckets_launched, forwards=micro_batches
                     )
                 except Exception as exc:
                     self._raise_if_comm(exc, step, "completion of a failed rank's all-reduces")
                     raise
-                self.votes.fallback_allreduces += n
+                self.counters.fallback_allreduces += n
 
         codes = self._vote(code, step)
         if codes:
             raise _AbortedError("vote", codes, time.perf_counter_ns())
-        assert loss is not None  # every rank healthy implies this rank produced a loss
+        # every rank healthy implies this rank ran every micro-batch
+        assert len(losses) == micro_batches
         self._commit(step, late)
-        return loss.detach()
+        total = (
+            losses[0] if micro_batches == 1 else torch.stack([x.reshape(()) for x in losses]).sum()
+        )
+        return total.detach()
+
+    def _micro_batch(
+        self,
+        closure: Callable[..., torch.Tensor],
+        step: int,
+        attempt: int,
+        k: int,
+        micro_batches: int,
+        code: int,
+    ) -> tuple[int, bool]:
+        """Forward and backward of micro-batch ``k``; returns ``(code, failed)``."""
+        last = k == micro_batches - 1
+        try:
+            value = closure() if micro_batches == 1 else closure(k)
+            loss = _as_loss(value, self.probe.calls - k, micro_batches)
+        except Exception as exc:
+            self._raise_if_comm(exc, step, "forward pass")
+            self._log_local(exc, step, attempt, "forward")
+            return code | health.exception_code(exc, AbortReason.FORWARD_EXCEPTION), True
+        try:
+            code |= self._check_loss(loss)
+        except Exception as exc:  # a broken predicate is an unhealthy vote, not a hang
+            code |= AbortReason.HEALTH_CHECK
+            self._log_local(exc, step, attempt, "health check")
+        if last:
+            # Before the synchronised backward: its last bucket carries the vote.
+            self.hook.mark(code)
+        try:
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        except Exception as exc:
+            self._raise_if_comm(exc, step, "backward pass (gradient all-reduce)")
+            self._log_local(exc, step, attempt, "backward")
+            return code | health.exception_code(exc, AbortReason.BACKWARD_EXCEPTION), True
+        self._last_loss = loss.detach()
+        return code, False
 
     def _check_loss(self, loss: torch.Tensor) -> int:
         code = 0
@@ -337,6 +394,7 @@ class MTGS:
                 # reduction, on every rank alike, so every rank reports them.
                 code |= AbortReason.NONFINITE_GRAD
             codes = self._exchange(code, step, "explicit vote all-reduce")
+            self.counters.explicit_votes += 1
         if self.scaler is not None:
             # The grad scaler owns overflow: it skips the update and lowers the scale.
             codes = {r: c & ~AbortReason.NONFINITE_GRAD for r, c in codes.items()}
@@ -357,6 +415,7 @@ class MTGS:
         if self.config.two_phase_commit:
             try:
                 codes = self._exchange(code, step, "commit confirmation all-reduce")
+                self.counters.commit_confirmations += 1
             except (StepAborted, CollectiveTimeout):
                 if self.shadow is not None and self._applied:
                     self.shadow.restore()  # survivors keep no partial update
@@ -507,7 +566,6 @@ class MTGS:
                 group=self.group,
                 device=self._device,
                 timeout_s=self.config.collective_timeout_s,
-                counter=self.votes,
             )
         except Exception as exc:
             self._raise_if_comm(exc, step, operation)
@@ -576,11 +634,13 @@ class MTGS:
         )
 
 
-def _as_loss(value: object, model_calls: int) -> torch.Tensor:
+def _as_loss(value: object, model_calls: int, micro_batches: int) -> torch.Tensor:
     if model_calls != 1:
+        per = "micro-batch" if micro_batches > 1 else "step"
         raise ResiliencyError(
             f"the step closure called the DDP model {model_calls} times; it must call it exactly "
-            "once per step (use DDP.no_sync() outside MTGS for gradient accumulation)"
+            f"once per {per} (for gradient accumulation pass micro_batches=k and let "
+            "closure(i) run micro-batch i)"
         )
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         raise ResiliencyError(

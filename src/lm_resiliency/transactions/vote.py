@@ -16,11 +16,19 @@ import torch.distributed as dist
 from lm_resiliency.transactions.reasons import decode_codes
 
 
-class VoteCounter:
-    """Counts the collectives MTGS itself issues (reported by the benchmark)."""
+class CollectiveCounter:
+    """Counts the collectives MTGS itself issues, each kind named for what it is.
+
+    ``explicit_votes``: vote all-reduces of the hook-less ablation
+    (``vote_in_hook=False``), one per attempt; ``commit_confirmations``: the
+    two-phase commit's confirmation all-reduces, one per attempt that reached
+    the commit; ``fallback_allreduces``: zero-gradient bucket all-reduces a
+    failed rank issued so its peers do not block.
+    """
 
     def __init__(self) -> None:
         self.explicit_votes = 0
+        self.commit_confirmations = 0
         self.fallback_allreduces = 0
 
 
@@ -30,7 +38,6 @@ def exchange_codes(
     group: dist.ProcessGroup | None,
     device: torch.device,
     timeout_s: float,
-    counter: VoteCounter | None = None,
 ) -> dict[int, int]:
     """All-reduce this rank's abort ``code``; returns ``{rank: code}`` for every unhealthy rank.
 
@@ -45,6 +52,4 @@ def exchange_codes(
     work = dist.all_reduce(vector, group=group, async_op=True)
     assert work is not None
     work.wait(timeout=timedelta(seconds=timeout_s))
-    if counter is not None:
-        counter.explicit_votes += 1
     return decode_codes(vector)

@@ -1,0 +1,20 @@
+"""The front door: :func:`enable_resiliency` and the :class:`ResiliencyHandle` it returns.
+
+See ``docs/integration.md`` for the integration per framework and what
+"everything the next step depends on" means for common training loops.
+"""
+
+from __future__ import annotations
+
+from lm_resiliency.resiliency.boundary import BlockingStats, CaptureGate
+from lm_resiliency.resiliency.enable import enable_resiliency
+from lm_resiliency.resiliency.handle import ResiliencyHandle
+from lm_resiliency.resiliency.recover import RecoveryInfo
+
+__all__ = [
+    "BlockingStats",
+    "CaptureGate",
+    "RecoveryInfo",
+    "ResiliencyHandle",
+    "enable_resiliency",
+]

@@ -1,0 +1,100 @@
+"""The step boundary the optimizer hooks drive: wait before the step, capture after it.
+
+``before_step`` waits for the capture in flight (its copy must be complete
+before the parameters change, or it would mix two steps); ``after_step``
+counts the step and, every ``interval`` steps, asks each capture gate (SCOUT,
+when enabled) whether this step may be captured, then launches the capture.
+Both are timed: the sum is the blocking time per capture the training loop sees.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
+
+__all__ = ["BlockingStats", "CaptureBoundary", "CaptureGate", "WaitOnly"]
+
+CaptureGate = Callable[[int], bool]
+"""``gate(step) -> bool`` at a capture boundary, before the capture; ``False`` skips it.
+
+Runs on every rank at the same step; must return the same answer on every rank
+(a job-wide decision, e.g. SCOUT's accepted check)."""
+
+
+@dataclass
+class BlockingStats:
+    """Time the training loop spent blocked in the hooks, per capture."""
+
+    captures: int = 0
+    skipped: int = 0
+    launch_s: list[float] = field(default_factory=list)
+    """Time inside the post-step hook that launched each capture (encode + launch)."""
+    wait_s: list[float] = field(default_factory=list)
+    """Time inside the next pre-step hook waiting for that capture's copy."""
+
+    def per_capture_s(self) -> list[float]:
+        """Blocking time of each completed capture cycle (launch + wait)."""
+        return [a + b for a, b in zip(self.launch_s, self.wait_s, strict=False)]
+
+
+class CaptureBoundary:
+    """Implements :class:`~lm_resiliency.integrations.base.StepBoundary` for one handle."""
+
+    def __init__(
+        self,
+        manager: InMemoryCheckpointManager,
+        *,
+        interval: int,
+        start_step: int,
+        build_tree: Callable[[int], Any],
+    ) -> None:
+        self._manager = manager
+        self._interval = interval
+        self._build_tree = build_tree
+        self.step = start_step
+        self.gates: list[CaptureGate] = []
+        self.stats = BlockingStats()
+        self._in_flight = False
+
+    def before_step(self) -> None:
+        if not self._in_flight:
+            return
+        t0 = time.perf_counter()
+        self._manager.maybe_wait()
+        self.stats.wait_s.append(time.perf_counter() - t0)
+        self._in_flight = False
+
+    def after_step(self) -> None:
+        self.step += 1
+        step = self.step
+        if step % self._interval:
+            return
+        if not all(gate(step) for gate in self.gates):
+            self.stats.skipped += 1
+            return
+        t0 = time.perf_counter()
+        self._manager.save(self._build_tree(step), step)
+        self.stats.launch_s.append(time.perf_counter() - t0)
+        self.stats.captures += 1
+        self._in_flight = True
+
+    def count_only(self) -> None:
+        """A step that happened but must not be captured (an MTGS step skipped on exhaustion)."""
+        self.step += 1
+
+
+class WaitOnly:
+    """A boundary that only waits: MTGS owns the commit, so the handle counts after it."""
+
+    def __init__(self, inner: CaptureBoundary) -> None:
+        self._inner = inner
+
+    def before_step(self) -> None:
+        self._inner.before_step()
+
+    def after_step(self) -> None:
+        return None

@@ -1,0 +1,117 @@
+"""``enable_resiliency``: one call that gives a training script every tier."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
+from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.integrations.registry import adapter_for
+from lm_resiliency.resiliency.boundary import CaptureBoundary, WaitOnly
+from lm_resiliency.resiliency.handle import ResiliencyHandle
+from lm_resiliency.resiliency.objects import StateObjects
+from lm_resiliency.resiliency.recover import recover
+from lm_resiliency.resiliency.transact import build_mtgs
+from lm_resiliency.resiliency.tree import CaptureTree
+from lm_resiliency.resiliency.validate import check_mtgs, check_scout, gemini_config
+from lm_resiliency.transactions.config import MTGSConfig
+
+__all__ = ["enable_resiliency"]
+
+
+def enable_resiliency(
+    model: Any,
+    optimizer: Any = None,
+    *,
+    interval: int = 10,
+    load_fallback: Callable[[], int | None] | None = None,
+    state: Mapping[str, Any] | None = None,
+    config: InMemoryCkptConfig | None = None,
+    mtgs: MTGSConfig | None = None,
+    scout: Any = None,
+) -> ResiliencyHandle:
+    """Recover the newest common state, then capture every ``interval`` steps automatically.
+
+    Collective: call it on every rank after the process group, the model and
+    the optimizer exist, before the first training step. ``model`` is a plain
+    ``nn.Module``, a ``DistributedDataParallel``, an FSDP2 (``fully_shard``)
+    model; ``optimizer`` one optimizer or a list (the step ends when each
+    stepped). What is captured after every ``interval``-th ``optimizer.step()``:
+    the model and optimizer state (through the framework adapter), every RNG
+    the next step draws from, the step count, and ``state[name].state_dict()``
+    of each object in ``state`` (a data loader, a sampler, a scheduler, a
+    ``GradScaler``). On enable it recovers: the newest step every rank can load
+    is applied to all of them (``handle.start_step``); when no GEMINI step is
+    common to all ranks, ``load_fallback()`` runs on every rank, restores the
+    durable checkpoint itself and returns its step (or ``None``: fresh start).
+
+    ``interval`` overrides ``config.interval``. ``mtgs=MTGSConfig(...)`` makes
+    each step a transaction through :meth:`ResiliencyHandle.train_step` (DDP
+    only). ``scout`` must be ``None`` in this build.
+
+    Raises ``ConfigError`` for invalid or incompatible arguments (before any
+    collective), ``StateEncodingError`` naming the key path of a ``state``
+    value that cannot be captured, ``NoConsistentStep`` or the fallback's own
+    errors from recovery.
+    """
+    cfg = gemini_config(config, interval)
+    check_scout(scout)
+    adapter = adapter_for(model, optimizer)
+    mtgs_config = check_mtgs(mtgs, adapter)
+    adapter.validate_capture()
+    layout = adapter.parallel_layout()
+    objects = StateObjects(state, complete_scaler_update=mtgs_config is None)
+    group_rank = dist.get_rank(layout.group) if dist.is_initialized() else 0
+    tree = CaptureTree(adapter, objects, layout, group_rank=group_rank)
+    tree.validate()
+    fallback = load_fallback if load_fallback is not None else adapter.durable_fallback()
+    manager = _manager(cfg, layout.group, layout.replica_ranks, fallback)
+    try:
+        recovery = recover(manager, tree.apply, fallback)
+        boundary = CaptureBoundary(
+            manager, interval=cfg.interval, start_step=recovery.step or 0, build_tree=tree.build
+        )
+        txn = None
+        if mtgs_config is not None:
+            # After the recovery: the DDP bucket replay runs through DDP's default hook.
+            txn = build_mtgs(adapter, objects, mtgs_config, committed_steps=boundary.step)
+        unbind = adapter.bind(WaitOnly(boundary) if txn is not None else boundary)
+    except BaseException:
+        adapter.close()
+        manager.close()
+        raise
+    return ResiliencyHandle(
+        manager=manager,
+        adapter=adapter,
+        boundary=boundary,
+        unbind=unbind,
+        recovery=recovery,
+        mtgs=txn,
+    )
+
+
+def _manager(
+    config: InMemoryCkptConfig,
+    group: dist.ProcessGroup | None,
+    replica_ranks: tuple[int, ...] | None,
+    fallback: Callable[[], int | None] | None,
+) -> InMemoryCheckpointManager:
+    kwargs: dict[str, Any] = {
+        "group": group,
+        "hsdp_replicated": replica_ranks is not None,
+        "load_fallback": fallback,
+    }
+    # The replica-restore source (a rank whose memory is gone reads its replica peer's
+    # slot) arrives with the manager's recovery-source protocol; pass the replicas
+    # once the manager takes them.
+    if replica_ranks is not None and "replica_ranks" in _manager_params():
+        kwargs["replica_ranks"] = replica_ranks
+    return InMemoryCheckpointManager(config, **kwargs)
+
+
+def _manager_params() -> set[str]:
+    return set(inspect.signature(InMemoryCheckpointManager.__init__).parameters)

@@ -1,0 +1,151 @@
+"""ResiliencyHandle: what ``enable_resiliency`` returns; the training loop barely touches it.
+
+From construction on, the handle hangs off the step boundary of the adapter
+(the optimizer's step hooks for PyTorch models): before each step it waits for
+the capture in flight, after each step it counts and captures every
+``interval`` steps. With MTGS, :meth:`train_step` runs each step as a
+transaction and captures only committed steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+
+from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
+from lm_resiliency.errors import ConfigError, ResiliencyError
+from lm_resiliency.integrations.base import Adapter, Unbind
+from lm_resiliency.resiliency.boundary import BlockingStats, CaptureBoundary, CaptureGate
+from lm_resiliency.resiliency.recover import RecoveryInfo
+
+if TYPE_CHECKING:
+    from lm_resiliency.transactions import MTGS, StepResult
+
+__all__ = ["ResiliencyHandle"]
+
+log = logging.getLogger(__name__)
+
+
+class ResiliencyHandle:
+    """One rank's view of the resiliency tiers; built by :func:`enable_resiliency` only.
+
+    Attributes: ``start_step`` (0 for a fresh job, N after recovering step N:
+    train from ``start_step + 1``), ``last_recovery`` (:class:`RecoveryInfo`),
+    ``manager`` (the GEMINI manager, for advanced use), ``adapter`` (the
+    framework adapter), ``mtgs`` (the step transaction when ``mtgs=`` was given).
+    """
+
+    def __init__(
+        self,
+        *,
+        manager: InMemoryCheckpointManager,
+        adapter: Adapter,
+        boundary: CaptureBoundary,
+        unbind: Unbind,
+        recovery: RecoveryInfo,
+        mtgs: MTGS | None,
+    ) -> None:
+        self.manager = manager
+        self.adapter = adapter
+        self.mtgs = mtgs
+        self.last_recovery = recovery
+        self.start_step = recovery.step or 0
+        self._boundary = boundary
+        self._unbind: Unbind | None = unbind
+        self._closed = False
+
+    @property
+    def step(self) -> int:
+        """Completed training steps (``start_step`` plus the steps taken since enable)."""
+        return self._boundary.step
+
+    @property
+    def interval(self) -> int:
+        """Capture cadence in steps."""
+        return self.manager.config.interval
+
+    @property
+    def stats(self) -> BlockingStats:
+        """Blocking time per capture seen by the training loop through the hooks."""
+        return self._boundary.stats
+
+    def add_capture_gate(self, gate: CaptureGate) -> None:
+        """Run ``gate(step)`` at every capture boundary before the capture; ``False`` skips it.
+
+        The hook point for SCOUT: it runs on every rank at the same step, after
+        the step and before its capture, and must give the same answer on every
+        rank. Gates run in the order they were added.
+        """
+        self._check_open()
+        self._boundary.gates.append(gate)
+
+    def train_step(
+        self,
+        closure: Callable[..., torch.Tensor],
+        *,
+        micro_batches: int = 1,
+    ) -> StepResult:
+        """Run one training step as an MTGS transaction (needs ``mtgs=MTGSConfig(...)``).
+
+        Collective: every rank calls it once per step. ``closure()`` runs the
+        forward pass and returns the loss (MTGS runs backward and
+        ``optimizer.step()``). With ``micro_batches=k > 1`` gradients are
+        accumulated: ``closure(i)`` runs micro-batch ``i`` (0..k-1) and returns
+        its loss (scale it by ``1/k`` yourself); micro-batches ``0..k-2`` run
+        under ``DDP.no_sync()``, the last one's all-reduce carries every
+        micro-batch's health in the vote; an abort retries all ``k`` with the
+        same batches and random numbers. The capture wait happens before MTGS's
+        own ``optimizer.step()``; only a committed step is counted as captured
+        (an aborted attempt never is). Returns MTGS's ``StepResult``; raises
+        ``StepAborted``/``CollectiveTimeout`` as :meth:`MTGS.step` does.
+        """
+        self._check_open()
+        if self.mtgs is None:
+            raise ConfigError(
+                "train_step() runs a step as an MTGS transaction; pass "
+                "mtgs=MTGSConfig(...) to enable_resiliency, or call loss.backward() and "
+                "optimizer.step() yourself (the capture then hangs off optimizer.step())"
+            )
+        result = self.mtgs.step(closure, micro_batches=micro_batches)
+        if result.committed:
+            self._boundary.after_step()
+        else:
+            self._boundary.count_only()
+        return result
+
+    def close(self) -> None:
+        """Finish the capture in flight, remove every hook, close the manager. Idempotent.
+
+        Collective like the manager's ``close`` (call it on every rank at the end).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._unbind is not None:
+            self._unbind()
+            self._unbind = None
+        try:
+            self.adapter.close()
+            if self.mtgs is not None:
+                self.mtgs.close()
+        finally:
+            self.manager.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ResiliencyError("this ResiliencyHandle is closed; call enable_resiliency again")
+
+    def __enter__(self) -> ResiliencyHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,101 @@
+"""torchrun worker: the plain training loop of the README, verbatim, under enable_resiliency.
+
+``python -m torch.distributed.run ... tests/faults/workers/plain_loop.py --out DIR
+--steps N --disk-folder DIR [--kill-step S --kill-rank R]``
+
+The fault is not in the loop: it is in the data source. With ``--kill-step``,
+rank R's batch stream SIGKILLs its own process when training asks it for the
+batch of step S in the job's first generation (a machine that dies while
+training; torchrun then restarts the whole group). Every rank writes its final
+parameters and optimizer state to ``DIR/final-rank<R>.safetensors`` and its
+start step to ``DIR/start-rank<R>-attempt<A>.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lm_resiliency import InMemoryCkptConfig, enable_resiliency
+from lm_resiliency.distributed import init_process_group, restart_count
+from lm_resiliency.models import GPTConfig, SyntheticTokens, TinyGPT
+
+MODEL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+
+
+class DyingTokens(SyntheticTokens):
+    """The synthetic stream, except that it kills its process at one batch (first generation)."""
+
+    def __init__(self, *args: Any, kill_at: int | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kill_at = kill_at
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kill_at is not None and self.position + 1 == self.kill_at:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__next__()
+
+
+def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, targets = batch
+    loss: torch.Tensor = model(inputs, targets)
+    return loss
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--disk-folder", type=Path, required=True)
+    p.add_argument("--kill-step", type=int, default=0)
+    p.add_argument("--kill-rank", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = restart_count() or 0
+    torch.manual_seed(0)
+    ddp_model = DDP(TinyGPT(MODEL), bucket_cap_mb=0.02)  # several buckets
+    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3)
+    dies = args.kill_step and attempt == 0 and rank == args.kill_rank
+    loader = DyingTokens(
+        0, 4, 16, MODEL.vocab_size, rank=rank, world_size=world,
+        kill_at=args.kill_step if dies else None,
+    )  # fmt: skip
+    torch.manual_seed(1 + rank)  # dropout masks differ per rank
+    max_steps = args.steps
+    # Until GEMINI slots outlive the process, a restarted worker recovers from node-local disk.
+    config = InMemoryCkptConfig(disk_folder=args.disk_folder, disk_flush_interval=10)
+
+    resiliency = enable_resiliency(
+        ddp_model, optimizer, interval=10, state={"loader": loader}, config=config
+    )
+    (args.out / f"start-rank{rank}-attempt{attempt}.txt").write_text(str(resiliency.start_step))
+    for step in range(resiliency.start_step + 1, max_steps + 1):
+        loss_fn(ddp_model, next(loader)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    resiliency.close()
+
+    final = {f"param/{n}": t.detach().clone() for n, t in ddp_model.module.named_parameters()}
+    names = {id(t): n for n, t in ddp_model.module.named_parameters()}
+    for param, st in optimizer.state.items():
+        for key, value in st.items():
+            final[f"optim/{names[id(param)]}/{key}"] = value.detach().clone().reshape(-1)
+    save_file(final, str(args.out / f"final-rank{rank}.safetensors"))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

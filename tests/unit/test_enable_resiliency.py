@@ -1,0 +1,185 @@
+"""enable_resiliency in one process (no process group): hooks, captures, state, validation."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lm_resiliency import (
+    ConfigError,
+    InMemoryCkptConfig,
+    MTGSConfig,
+    ResiliencyError,
+    StateEncodingError,
+    enable_resiliency,
+)
+from lm_resiliency.resiliency.objects import StateObjects
+from lm_resiliency.resiliency.rng import capture_rng, restore_rng
+from lm_resiliency.state import decode_state, encode_state
+
+
+class Counter:
+    """A stateful object, like a data loader's position."""
+
+    def __init__(self, extra: Any = None) -> None:
+        self.n = 0
+        self.extra = extra
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"n": self.n}
+        if self.extra is not None:
+            out["extra"] = self.extra
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n = state["n"]
+
+
+def _train(model: nn.Module, opts: list[torch.optim.Optimizer], steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randn(2, 4)).sum().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_captures_hang_off_the_optimizer_step_every_interval() -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(model, opt, interval=3) as resiliency:
+        assert (resiliency.start_step, resiliency.step) == (0, 0)
+        assert resiliency.last_recovery.source == "fresh"
+        _train(model, [opt], 7)
+        assert resiliency.step == 7
+        assert resiliency.stats.captures == 2  # steps 3 and 6
+        assert len(resiliency.stats.wait_s) == 2  # each waited for before the next step
+        assert [s.step for s in resiliency.manager.slots().values()] == [6, 3]
+        assert resiliency.interval == 3
+    with pytest.raises(ResiliencyError, match="closed"):
+        resiliency.add_capture_gate(lambda step: True)
+    resiliency.close()  # idempotent
+
+
+def test_with_two_optimizers_a_step_ends_when_both_stepped() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in model]
+    with enable_resiliency(model, opts, interval=2) as resiliency:
+        _train(model, opts, 4)
+        assert resiliency.step == 4
+        assert resiliency.stats.captures == 2
+
+
+def test_a_capture_gate_that_says_no_skips_the_capture() -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[int] = []
+    with enable_resiliency(model, opt, interval=2) as resiliency:
+        resiliency.add_capture_gate(lambda step: seen.append(step) or step != 4)
+        _train(model, [opt], 6)
+        assert seen == [2, 4, 6]
+        assert (resiliency.stats.captures, resiliency.stats.skipped) == (2, 1)
+        assert sorted(s.step for s in resiliency.manager.slots().values()) == [2, 6]
+
+
+def test_an_unsupported_state_value_fails_at_enable_with_its_key_path() -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(StateEncodingError, match=r"rank/state/loader/extra"):
+        enable_resiliency(model, opt, state={"loader": Counter(extra=object())})
+
+
+def test_a_value_that_becomes_unsupported_fails_at_the_first_capture_with_its_key_path() -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = Counter()
+    resiliency = enable_resiliency(model, opt, interval=2, state={"loader": loader})
+    _train(model, [opt], 1)
+    loader.extra = {"sampler": object()}
+    with pytest.raises(StateEncodingError, match=r"rank/state/loader/extra/sampler"):
+        _train(model, [opt], 1)
+    resiliency.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interval": 0}, "interval=0 is invalid"),
+        ({"interval": True}, "interval=True is invalid"),
+        ({"config": {"interval": 5}}, "config must be an InMemoryCkptConfig, got dict"),
+        ({"mtgs": MTGSConfig()}, "needs a DistributedDataParallel model"),
+        ({"mtgs": {"max_retries": 1}}, "mtgs must be an MTGSConfig, got dict"),
+        ({"scout": object()}, "scout=object"),
+        ({"state": [Counter()]}, "state must be a dict"),
+        ({"state": {"a/b": Counter()}}, "state key 'a/b' is invalid"),
+        ({"state": {"rng": 3}}, r"state\['rng'\] \(int\) has no state_dict\(\)"),
+    ],
+)
+def test_invalid_arguments_fail_before_anything_is_built(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=message):
+        enable_resiliency(model, opt, **kwargs)
+
+
+def test_interval_overrides_the_config_interval() -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = InMemoryCkptConfig(interval=7, disk_folder="elsewhere")
+    with enable_resiliency(model, opt, interval=2, config=config) as resiliency:
+        assert resiliency.manager.config.interval == 2
+        assert str(resiliency.manager.config.disk_folder) == "elsewhere"
+
+
+def test_train_step_needs_mtgs_and_an_optimizer_is_required() -> None:
+    model = nn.Linear(4, 4)
+    resiliency = enable_resiliency(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match="pass mtgs=MTGSConfig"):
+        resiliency.train_step(lambda: model(torch.zeros(1, 4)).sum())
+    resiliency.close()
+    with pytest.raises(ConfigError, match="no optimizer to hook"):
+        enable_resiliency(model)
+    with pytest.raises(ConfigError, match=r"optimizer must be a torch\.optim\.Optimizer"):
+        enable_resiliency(model, "sgd")
+    with pytest.raises(ConfigError, match=r"does not know builtins\.str"):
+        enable_resiliency("model")
+
+
+def test_every_generator_round_trips_through_the_capture_encoding() -> None:
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    enc = encode_state(capture_rng())
+    state = decode_state(enc.document, [t.clone() for t in enc.tensors])
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(9)
+    random.seed(9)
+    np.random.seed(9)
+    restore_rng(state)
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0])
+    assert got[1:] == expected[1:]
+
+
+def test_a_grad_scaler_is_restored_with_the_update_its_captured_step_was_missing() -> None:
+    # The capture runs inside scaler.step(optimizer); scaler.update() comes after.
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=3.0, growth_factor=1.7, growth_interval=3)
+    objects = StateObjects({"scaler": scaler})
+    for _ in range(7):
+        scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+        scaler.step(opt)
+        captured = objects.state_dicts()["scaler"]  # what the post-step hook sees
+        scaler.update()
+        opt.zero_grad()
+        restored = torch.amp.GradScaler("cpu")
+        StateObjects({"scaler": restored}).load({"scaler": captured})
+        assert restored.state_dict() == scaler.state_dict()
+    assert scaler.get_scale() != 3.0  # the growth step was exercised
