@@ -166,7 +166,7 @@ def main() -> int:
             "framework": args.framework,
             "baseline_steps_per_s": baseline,
             "gemini_steps_per_s": gemini,
-            "blocking_s": handle.blocking_s,
+            "blocking_s": handle.stats.per_capture_s(),
             "state_bytes_per_rank": state_bytes,
         }
         args.out.write_text(json.dumps(result))

@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fw_worker
-from fw_enable import enable
 
+from lm_resiliency import enable_resiliency
 from lm_resiliency.distributed import init_process_group
-from lm_resiliency.integrations.deepspeed import make_adapter
+from lm_resiliency.integrations.deepspeed import durable_loader
 
 
 def main() -> int:
@@ -56,17 +56,11 @@ def main() -> int:
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config
     )
-    adapter = make_adapter(engine, [], checkpoint_dir=args.durable_dir)
-    handle = enable(adapter, fw_worker.config(args, rank))
-    report = handle.last_recovery
-    fw_worker.report(
-        args,
-        rank,
-        start_step=handle.start_step,
-        source=handle.source,
-        sources=None if report is None else report.sources,
-        global_steps=int(engine.global_steps),
+    fallback = None if args.durable_dir is None else durable_loader(engine, args.durable_dir)
+    handle = enable_resiliency(
+        engine, interval=args.interval, config=fw_worker.config(args, rank), load_fallback=fallback
     )
+    fw_worker.report_recovery(args, rank, handle, global_steps=int(engine.global_steps))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     for step in range(handle.start_step + 1, args.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
@@ -79,8 +73,9 @@ def main() -> int:
             engine.save_checkpoint(str(args.durable_dir), tag=f"step{step}")
         fw_worker.maybe_kill(args, step, rank, handle.manager)
     handle.manager.wait_persisted()
-    final = {f"master.{i}": m for i, m in enumerate(adapter.view.masters)}
-    for i, st in enumerate(adapter.view.inner.state[m] for m in adapter.view.masters):
+    view = handle.adapter.view
+    final = {f"master.{i}": m for i, m in enumerate(view.masters)}
+    for i, st in enumerate(view.inner.state[m] for m in view.masters):
         final.update({f"optim.{i}.{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
     for name, param in engine.module.named_parameters():
         final[f"param.{name}"] = param.ds_tensor if hasattr(param, "ds_tensor") else param

@@ -1,13 +1,17 @@
 """Interim front door for the framework workers: manager + adapter + step boundary.
 
-Stands in for ``enable_resiliency`` until branch ``front`` provides it: it does
-what the handle does at enable time (recover collectively, then hang the
-capture off the adapter's step boundary) with the public manager API.
+Stands in for ``enable_resiliency`` where the registry cannot reach an adapter
+yet (Megatron Core: its optimizer is not a torch optimizer and its model is a
+list of chunks, which ``adapter_for`` rejects): it does what the handle does at
+enable time (recover collectively, then hang the capture off the adapter's step
+boundary) with the public manager API, and the same ``start_step`` /
+``last_recovery.source``/``.sources`` / ``stats.per_capture_s()`` attributes.
 """
 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -41,7 +45,9 @@ class Handle:
         # plus the wait before the next step (benchmarks/frameworks.py reports it).
         self.blocking_s: list[float] = []
         self._waiting = False
-        self.last_recovery = self.manager.last_recovery
+        report = self.manager.last_recovery
+        sources = tuple(report.sources) if report is not None else ()
+        self.last_recovery = SimpleNamespace(source=self.source, sources=sources)
         self._unbind = adapter.bind(self)
 
     def before_step(self) -> None:
@@ -63,6 +69,10 @@ class Handle:
             self.manager.save(tree, self.step)
             self.blocking_s.append(time.perf_counter() - t0)
             self._waiting = True
+
+    @property
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(per_capture_s=lambda: list(self.blocking_s))
 
     def close(self) -> None:
         self._unbind()

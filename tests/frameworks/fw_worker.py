@@ -68,6 +68,19 @@ def report(args: argparse.Namespace, rank: int, **fields: Any) -> None:
     path.write_text(json.dumps(fields))
 
 
+def report_recovery(args: argparse.Namespace, rank: int, handle: Any, **extra: Any) -> None:
+    """Record what the handle recovered (start step, source, each rank's source)."""
+    info = handle.last_recovery
+    report(
+        args,
+        rank,
+        start_step=handle.start_step,
+        source=info.source,
+        sources=list(info.sources) if info.sources else None,
+        **extra,
+    )
+
+
 def maybe_kill(args: argparse.Namespace, step: int, rank: int, manager: Any) -> None:
     """The fault (first generation only); see the module doc."""
     if step != args.fault_step or attempt() != 0:

@@ -84,15 +84,7 @@ def main() -> int:
     )
     adapter = make_adapter([chunk], [], optimizer=optimizer, scheduler=scheduler)
     handle = enable(adapter, fw_worker.config(args, rank))
-    report = handle.last_recovery
-    fw_worker.report(
-        args,
-        rank,
-        start_step=handle.start_step,
-        source=handle.source,
-        sources=None if report is None else report.sources,
-        scheduler_steps=int(scheduler.num_steps),
-    )
+    fw_worker.report_recovery(args, rank, handle, scheduler_steps=int(scheduler.num_steps))
     positions = torch.arange(_SEQ).unsqueeze(0).expand(_BATCH, _SEQ)
     for step in range(handle.start_step + 1, args.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
-from lm_resiliency.integrations.deepspeed.adapter import DeepSpeedAdapter, make_adapter
+from lm_resiliency.integrations.deepspeed.adapter import (
+    DeepSpeedAdapter,
+    durable_loader,
+    make_adapter,
+)
 
-__all__ = ["DeepSpeedAdapter", "make_adapter"]
+__all__ = ["DeepSpeedAdapter", "durable_loader", "make_adapter"]

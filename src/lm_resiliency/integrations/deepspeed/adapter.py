@@ -150,18 +150,32 @@ class DeepSpeedAdapter(AdapterBase):
     def durable_fallback(self) -> DurableFallback | None:
         if self._checkpoint_dir is None:
             return None
-        engine, load_dir, tag = self.engine, self._checkpoint_dir, self._checkpoint_tag
-
-        def load() -> int | None:
-            if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
-                return None  # nothing saved yet: DeepSpeed would only warn
-            path, _ = engine.load_checkpoint(load_dir, tag=tag)
-            return None if path is None else int(engine.global_steps)
-
-        return load
+        return durable_loader(self.engine, self._checkpoint_dir, tag=self._checkpoint_tag)
 
     def modules(self) -> Sequence[torch.nn.Module]:
         return [self.engine.module]
+
+
+def durable_loader(
+    engine: Any, checkpoint_dir: str | os.PathLike[str], *, tag: str | None = None
+) -> DurableFallback:
+    """DeepSpeed's own checkpoint as the fallback: ``enable_resiliency(engine, load_fallback=...)``.
+
+    The returned callable runs on every rank when no GEMINI step is available
+    on all of them: ``engine.load_checkpoint(checkpoint_dir, tag=tag)`` (the
+    ``latest`` tag when None; model, ZeRO partitions, optimizer and scheduler)
+    and returns the engine's ``global_steps``, or ``None`` when nothing was
+    saved there yet (a fresh start). Collective like ``load_checkpoint``.
+    """
+    load_dir = os.fspath(checkpoint_dir)
+
+    def load() -> int | None:
+        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
+            return None  # nothing saved yet: DeepSpeed would only warn
+        path, _ = engine.load_checkpoint(load_dir, tag=tag)
+        return None if path is None else int(engine.global_steps)
+
+    return load
 
 
 def _dp_groups(engine: Any, dp_group: Any) -> tuple[tuple[int, ...], ...]:
