@@ -16,7 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if "--cuda" not in sys.argv:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed
 import torch
@@ -37,8 +38,10 @@ def main() -> int:
     p.add_argument("--durable-dir", type=Path, default=None)
     p.add_argument("--durable-every", type=int, default=0)
     args = p.parse_args()
-    init_process_group("gloo")
-    deepspeed.init_distributed(dist_backend="gloo")  # wraps the group formed above
+    backend = "nccl" if args.cuda else "gloo"
+    dev = fw_worker.device(args)
+    init_process_group(backend)
+    deepspeed.init_distributed(dist_backend=backend)  # wraps the group formed above
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -64,8 +67,8 @@ def main() -> int:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     for step in range(handle.start_step + 1, args.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(4, 16, generator=g).to(dtype)
-        y = torch.randn(4, 4, generator=g)
+        x = torch.randn(4, 16, generator=g).to(dev, dtype)
+        y = torch.randn(4, 4, generator=g).to(dev)
         loss = torch.nn.functional.mse_loss(engine(x).float(), y)
         engine.backward(loss)
         engine.step()

@@ -45,7 +45,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=int, default=3)
     p.add_argument("--fault-step", type=int, default=0, help="0: no fault")
     p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--cuda", action="store_true", help="GPU path (scripts/gpu_frameworks.py)")
     return p
+
+
+def device(args: argparse.Namespace) -> torch.device:
+    """This rank's device: its GPU with ``--cuda`` (NCCL), else the CPU (Gloo)."""
+    if not args.cuda:
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
 
 
 def attempt() -> int:
@@ -59,7 +69,7 @@ def config(args: argparse.Namespace, rank: int) -> InMemoryCkptConfig:
         disk_folder=args.disk / f"node-{rank}",
         disk_flush_interval=args.interval,
         run_id=os.environ["LM_RESILIENCY_RUN_ID"],
-        pin_memory=False,
+        pin_memory=args.cuda,
     )
 
 
@@ -89,7 +99,8 @@ def maybe_kill(args: argparse.Namespace, step: int, rank: int, manager: Any) -> 
     dist.barrier()
     if rank != args.fault_rank:
         return
-    shutil.rmtree(args.disk / f"node-{rank}", ignore_errors=True)
+    if dist.get_world_size() > 1:  # alone, the rank's own files are all there is
+        shutil.rmtree(args.disk / f"node-{rank}", ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)

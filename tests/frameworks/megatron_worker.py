@@ -16,37 +16,39 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_cpu_shim
 
-megatron_cpu_shim.install()
+if "--cuda" not in sys.argv:
+    megatron_cpu_shim.install()
 
-import fw_worker  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from fw_enable import enable  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.distributed import (  # noqa: E402
+import fw_worker
+import torch
+import torch.distributed as dist
+from fw_enable import enable
+from megatron.core import parallel_state
+from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
-from megatron.core.tensor_parallel.random import (  # noqa: E402
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel.random import (
     get_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
-from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer import TransformerConfig
 
-from lm_resiliency.distributed import init_process_group  # noqa: E402
-from lm_resiliency.integrations.megatron import make_adapter  # noqa: E402
+from lm_resiliency.distributed import init_process_group
+from lm_resiliency.integrations.megatron import make_adapter
 
 _VOCAB, _SEQ, _BATCH = 64, 8, 2
 
 
 def main() -> int:
     args = fw_worker.parser().parse_args()
-    init_process_group("gloo")
+    dev = fw_worker.device(args)
+    init_process_group("nccl" if args.cuda else "gloo")
     rank = dist.get_rank()
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(0)
@@ -62,6 +64,7 @@ def main() -> int:
     model = GPTModel(
         config, get_gpt_layer_local_spec(), vocab_size=_VOCAB, max_sequence_length=_SEQ
     )
+    model.to(dev)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
     chunk = DistributedDataParallel(config, ddp_config, model)
     config.finalize_model_grads_func = finalize_model_grads
@@ -85,11 +88,11 @@ def main() -> int:
     adapter = make_adapter([chunk], [], optimizer=optimizer, scheduler=scheduler)
     handle = enable(adapter, fw_worker.config(args, rank))
     fw_worker.report_recovery(args, rank, handle, scheduler_steps=int(scheduler.num_steps))
-    positions = torch.arange(_SEQ).unsqueeze(0).expand(_BATCH, _SEQ)
+    positions = torch.arange(_SEQ, device=dev).unsqueeze(0).expand(_BATCH, _SEQ)
     for step in range(handle.start_step + 1, args.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
-        tokens = torch.randint(0, _VOCAB, (_BATCH, _SEQ), generator=g)
-        labels = torch.randint(0, _VOCAB, (_BATCH, _SEQ), generator=g)
+        tokens = torch.randint(0, _VOCAB, (_BATCH, _SEQ), generator=g).to(dev)
+        labels = torch.randint(0, _VOCAB, (_BATCH, _SEQ), generator=g).to(dev)
         chunk.zero_grad_buffer()
         optimizer.zero_grad()
         loss = chunk(tokens, positions, None, labels=labels).float().mean()
