@@ -20,6 +20,16 @@ Call order (every rank; the handle does all of it)::
     ...
     unbind(); adapter.close()
 
+A framework that owns the training loop (a ``Trainer``, an engine whose
+``step()`` is not a torch optimizer's) builds its adapter itself when its
+objects exist and calls ``lm_resiliency.resiliency.enable.enable_adapter(adapter,
+config=..., load_fallback=..., state=..., restore_rng=...)``; its ``bind``
+stores the boundary and its own callbacks call ``before_step()`` (before the
+parameters change) and ``after_step()`` (once per completed step, at the point
+where everything the next step depends on is settled). ``restore_rng`` defers
+the generators' restore when the framework draws from them between the
+restore and its first step (see ``integrations/hf.py``).
+
 What the handle adds itself (adapters must not capture it again): every RNG
 the step draws from (torch CPU and every CUDA generator, Python ``random``,
 NumPy's global generator), the step count and the caller's ``state`` objects.

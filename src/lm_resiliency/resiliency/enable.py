@@ -10,17 +10,19 @@ import torch.distributed as dist
 
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.integrations.base import Adapter
 from lm_resiliency.integrations.registry import adapter_for
 from lm_resiliency.resiliency.boundary import CaptureBoundary, WaitOnly
 from lm_resiliency.resiliency.handle import ResiliencyHandle
 from lm_resiliency.resiliency.objects import StateObjects
 from lm_resiliency.resiliency.recover import recover
+from lm_resiliency.resiliency.rng import restore_rng as restore_now
 from lm_resiliency.resiliency.transact import build_mtgs
 from lm_resiliency.resiliency.tree import CaptureTree
 from lm_resiliency.resiliency.validate import check_mtgs, check_scout, gemini_config
 from lm_resiliency.transactions.config import MTGSConfig
 
-__all__ = ["enable_resiliency"]
+__all__ = ["enable_adapter", "enable_resiliency"]
 
 
 def enable_resiliency(
@@ -61,19 +63,40 @@ def enable_resiliency(
     cfg = gemini_config(config, interval)
     check_scout(scout)
     adapter = adapter_for(model, optimizer)
+    return enable_adapter(adapter, config=cfg, load_fallback=load_fallback, state=state, mtgs=mtgs)
+
+
+def enable_adapter(
+    adapter: Adapter,
+    *,
+    config: InMemoryCkptConfig,
+    load_fallback: Callable[[], int | None] | None = None,
+    state: Mapping[str, Any] | None = None,
+    mtgs: MTGSConfig | None = None,
+    restore_rng: Callable[[dict[str, Any]], None] | None = None,
+) -> ResiliencyHandle:
+    """:func:`enable_resiliency` for an adapter built by the caller (framework integrations).
+
+    ``config.interval`` is the capture cadence. ``restore_rng`` replaces the
+    immediate restore of the generators (a framework that draws from them
+    between the restore and its first step defers it). Collective, like
+    :func:`enable_resiliency`.
+    """
     mtgs_config = check_mtgs(mtgs, adapter)
     adapter.validate_capture()
     layout = adapter.parallel_layout()
     objects = StateObjects(state, complete_scaler_update=mtgs_config is None)
     group_rank = dist.get_rank(layout.group) if dist.is_initialized() else 0
-    tree = CaptureTree(adapter, objects, layout, group_rank=group_rank)
+    tree = CaptureTree(
+        adapter, objects, layout, group_rank=group_rank, restore_rng=restore_rng or restore_now
+    )
     tree.validate()
     fallback = load_fallback if load_fallback is not None else adapter.durable_fallback()
-    manager = _manager(cfg, layout.group, layout.replica_ranks, fallback)
+    manager = _manager(config, layout.group, layout.replica_ranks, fallback)
     try:
         recovery = recover(manager, tree.apply, fallback)
         boundary = CaptureBoundary(
-            manager, interval=cfg.interval, start_step=recovery.step or 0, build_tree=tree.build
+            manager, interval=config.interval, start_step=recovery.step or 0, build_tree=tree.build
         )
         txn = None
         if mtgs_config is not None:

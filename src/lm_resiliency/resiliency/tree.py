@@ -14,6 +14,7 @@ restored from a replica's slot finds its own RNG and data position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -39,7 +40,9 @@ class CaptureTree:
         layout: ParallelLayout,
         *,
         group_rank: int,
+        restore_rng: Callable[[dict[str, Any]], None] = restore_rng,
     ) -> None:
+        self._restore_rng = restore_rng
         self._adapter = adapter
         self._objects = objects
         self._layout = layout
@@ -103,7 +106,7 @@ class CaptureTree:
             own = ranks[str(self._rank)]
         self._objects.load(own["state"])
         self._adapter.load_rank_state_dict(own["adapter"])
-        restore_rng(own["rng"])  # last: nothing above may draw from the restored generators
+        self._restore_rng(own["rng"])  # last: nothing above may draw from the restored generators
         return int(tree["step"])
 
 
