@@ -142,7 +142,7 @@ def main() -> int:
     init_process_group("gloo")
     setup = deepspeed_setup if args.framework == "deepspeed" else megatron_setup
     adapter, step = setup(args)
-    from fw_enable import enable
+    from lm_resiliency.resiliency.enable import enable_adapter
 
     _phase(step, 1, 5)  # warm-up: allocator, optimizer state, first-step layouts
     baseline = _phase(step, 6, args.steps)
@@ -154,7 +154,7 @@ def main() -> int:
         pin_memory=False,
         run_id=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'x')}",
     )
-    handle = enable(adapter, config)
+    handle = enable_adapter(adapter, config=config)
     gemini = _phase(step, 6 + args.steps, args.steps)
     state_bytes = sum(
         t.numel() * t.element_size()

@@ -22,7 +22,6 @@ if "--cuda" not in sys.argv:
 import fw_worker
 import torch
 import torch.distributed as dist
-from fw_enable import enable
 from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -41,6 +40,7 @@ from megatron.core.transformer import TransformerConfig
 
 from lm_resiliency.distributed import init_process_group
 from lm_resiliency.integrations.megatron import make_adapter
+from lm_resiliency.resiliency.enable import enable_adapter
 
 _VOCAB, _SEQ, _BATCH = 64, 8, 2
 
@@ -86,7 +86,9 @@ def main() -> int:
         wd_incr_style="constant",
     )
     adapter = make_adapter([chunk], [], optimizer=optimizer, scheduler=scheduler)
-    handle = enable(adapter, fw_worker.config(args, rank))
+    # enable_resiliency's registry takes torch optimizers only; framework integrations
+    # build their adapter and hand it to enable_adapter (the seam's way for them).
+    handle = enable_adapter(adapter, config=fw_worker.config(args, rank))
     fw_worker.report_recovery(args, rank, handle, scheduler_steps=int(scheduler.num_steps))
     positions = torch.arange(_SEQ, device=dev).unsqueeze(0).expand(_BATCH, _SEQ)
     for step in range(handle.start_step + 1, args.steps + 1):
@@ -103,7 +105,7 @@ def main() -> int:
         fw_worker.maybe_kill(args, step, rank, handle.manager)
     handle.manager.wait_persisted()
     final: dict[str, torch.Tensor] = {}
-    for i, part in enumerate(adapter.parts):
+    for i, part in enumerate(handle.adapter.parts):
         for j, master in enumerate(part.masters):
             final[f"master.{i}.{j}"] = master
             st = part.inner.state[master]
