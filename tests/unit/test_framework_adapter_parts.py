@@ -126,3 +126,13 @@ def test_state_of_another_layout_is_refused_with_the_difference_named() -> None:
         restore_state(opt, other, state, what="test")
     with pytest.raises(ConfigError, match="has 2 optimizer param groups but the optimizer has 1"):
         restore_hparams(opt, capture_hparams(opt) * 2, what="test")
+
+
+def test_hyperparameters_keep_plain_values_and_leave_framework_objects_out() -> None:
+    _, opt = _adam(0)
+    opt.param_groups[0]["default_config"] = object()  # what Megatron keeps in a group
+    opt.param_groups[0]["lr_mult"] = 1.0
+    (hparams,) = capture_hparams(opt)
+    assert "default_config" not in hparams and "params" not in hparams
+    assert hparams["lr"] == 0.01 and hparams["lr_mult"] == 1.0
+    assert hparams["betas"] == (0.9, 0.999)

@@ -76,6 +76,13 @@ def restore_state(
 
 
 _NOT_HPARAMS = frozenset({"params"})
+_PLAIN = (bool, int, float, str, type(None), torch.Tensor)
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
 
 
 def capture_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -83,8 +90,14 @@ def capture_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
     A scheduler writes the next step's ``lr`` into the group at its own step,
     so the group holds state the scheduler's ``state_dict`` alone cannot give back.
+    Only plain values (numbers, strings, tensors and sequences of them) are
+    state; objects a framework keeps in a group (a config) are construction-time
+    constants and are left out.
     """
-    return [{k: v for k, v in g.items() if k not in _NOT_HPARAMS} for g in optimizer.param_groups]
+    return [
+        {k: v for k, v in g.items() if k not in _NOT_HPARAMS and _plain(v)}
+        for g in optimizer.param_groups
+    ]
 
 
 def restore_hparams(

@@ -44,14 +44,6 @@ from lm_resiliency.integrations.megatron.optimizer import (
 
 __all__ = ["MegatronAdapter"]
 
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _plain(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    return isinstance(value, _PLAIN)
-
 
 class MegatronAdapter(AdapterBase):
     """One rank's view of Megatron Core model chunks and their distributed optimizer.
@@ -93,9 +85,7 @@ class MegatronAdapter(AdapterBase):
                 {
                     "masters": list(p.masters),
                     "state": capture_state(p.inner, p.masters),
-                    "param_groups": [
-                        {k: v for k, v in g.items() if _plain(v)} for g in capture_hparams(p.inner)
-                    ],
+                    "param_groups": capture_hparams(p.inner),
                 }
                 for p in self.parts
             ],
