@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck bench clean
+.PHONY: setup extras demo test lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,6 +18,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# The framework adapters' extras (DeepSpeed, Megatron Core) into .venv, held to the
+# installed torch by a constraint: an install never replaces torch==2.13.0.
+EXTRAS_STAMP := $(VENV)/.extras
+$(EXTRAS_STAMP): $(STAMP) pyproject.toml
+	echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
+	$(BIN)/pip install -q -c $(VENV)/torch-constraint.txt -e ".[dev,deepspeed,megatron]"
+	touch $(EXTRAS_STAMP)
+
+extras: $(EXTRAS_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/lm-resiliency demo $(DEMO_ARGS)

@@ -1,0 +1,95 @@
+"""DeepSpeed ZeRO training under torchrun with resiliency enabled (see fw_worker for the files).
+
+``python deepspeed_worker.py --run-dir R --disk D --stage {1,2,3} [--bf16] ...``
+
+Real DeepSpeed on CPU: ``DS_ACCELERATOR=cpu``, a Gloo group, ``torch_adam``
+(no fused-Adam build), a WarmupLR scheduler. The loop is the plain DeepSpeed
+loop; batches depend only on (step, rank), so a resumed run sees the batches
+an uninterrupted run sees. ``--durable-every N`` also saves DeepSpeed's own
+checkpoint every N steps (``--durable-dir``), the fallback when GEMINI has no
+step on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+if "--cuda" not in sys.argv:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fw_worker
+
+from lm_resiliency import enable_resiliency
+from lm_resiliency.distributed import init_process_group
+from lm_resiliency.integrations.deepspeed import durable_loader
+
+
+def main() -> int:
+    p = fw_worker.parser()
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--durable-dir", type=Path, default=None)
+    p.add_argument("--durable-every", type=int, default=0)
+    args = p.parse_args()
+    backend = "nccl" if args.cuda else "gloo"
+    dev = fw_worker.device(args)
+    init_process_group(backend)
+    deepspeed.init_distributed(dist_backend=backend)  # wraps the group formed above
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+    )
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+        "zero_optimization": {"stage": args.stage},
+        "bf16": {"enabled": args.bf16},
+        "steps_per_print": 10_000,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config
+    )
+    fallback = None if args.durable_dir is None else durable_loader(engine, args.durable_dir)
+    handle = enable_resiliency(
+        engine, interval=args.interval, config=fw_worker.config(args, rank), load_fallback=fallback
+    )
+    fw_worker.report_recovery(args, rank, handle, global_steps=int(engine.global_steps))
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    for step in range(handle.start_step + 1, args.steps + 1):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(4, 16, generator=g).to(dev, dtype)
+        y = torch.randn(4, 4, generator=g).to(dev)
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        if args.durable_every and step % args.durable_every == 0:
+            engine.save_checkpoint(str(args.durable_dir), tag=f"step{step}")
+        fw_worker.maybe_kill(args, step, rank, handle.manager)
+    handle.manager.wait_persisted()
+    view = handle.adapter.view
+    final = {f"master.{i}": m for i, m in enumerate(view.masters)}
+    for i, st in enumerate(view.inner.state[m] for m in view.masters):
+        final.update({f"optim.{i}.{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
+    for name, param in engine.module.named_parameters():
+        final[f"param.{name}"] = param.ds_tensor if hasattr(param, "ds_tensor") else param
+    final["lr"] = torch.tensor(engine.get_lr(), dtype=torch.float64)
+    final["global_steps"] = torch.tensor(engine.global_steps)
+    fw_worker.finish(args, rank, final)
+    handle.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
