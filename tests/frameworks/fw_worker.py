@@ -11,10 +11,10 @@ test reads comes back as files in ``--run-dir``:
 
 The kill: in the first generation only, after step ``--fault-step`` every rank
 waits until the newest capture is persisted (each rank's own state and the
-replica it holds for its peer, on the rank's own simulated node folder
-``<disk>/node-<r>``), then ``--fault-rank`` deletes its node folder (its node's
-storage is gone with it) and SIGKILLs itself. The restarted group must find the
-victim's state on its peer's node.
+replica it holds for its peer, in memory and on the rank's own simulated node
+folder ``<disk>/node-<r>``), then ``--fault-rank`` deletes its node folder and its
+memory slots (its node's storage and memory are gone with it) and SIGKILLs
+itself. The restarted group must find the victim's state on its peer's node.
 """
 
 from __future__ import annotations
@@ -100,7 +100,11 @@ def maybe_kill(args: argparse.Namespace, step: int, rank: int, manager: Any) -> 
     if rank != args.fault_rank:
         return
     if dist.get_world_size() > 1:  # alone, the rank's own files are all there is
+        # The rank's node is lost with its memory and its disk: its state can only
+        # come back from its peer.
         shutil.rmtree(args.disk / f"node-{rank}", ignore_errors=True)
+        if manager.tier is not None:
+            shutil.rmtree(manager.tier.folder.path, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -38,9 +38,8 @@ from megatron.core.tensor_parallel.random import (
 )
 from megatron.core.transformer import TransformerConfig
 
+from lm_resiliency import enable_resiliency
 from lm_resiliency.distributed import init_process_group
-from lm_resiliency.integrations.megatron import make_adapter
-from lm_resiliency.resiliency.enable import enable_adapter
 
 _VOCAB, _SEQ, _BATCH = 64, 8, 2
 
@@ -85,10 +84,15 @@ def main() -> int:
         wd_incr_steps=args.steps,
         wd_incr_style="constant",
     )
-    adapter = make_adapter([chunk], [], optimizer=optimizer, scheduler=scheduler)
-    # enable_resiliency's registry takes torch optimizers only; framework integrations
-    # build their adapter and hand it to enable_adapter (the seam's way for them).
-    handle = enable_adapter(adapter, config=fw_worker.config(args, rank))
+    # The three-line change: the registry recognises the chunk list and hands Megatron's
+    # own optimizer to its adapter; the scheduler is one of the captured state objects.
+    handle = enable_resiliency(
+        [chunk],
+        optimizer,
+        interval=args.interval,
+        config=fw_worker.config(args, rank),
+        state={"scheduler": scheduler},
+    )
     fw_worker.report_recovery(args, rank, handle, scheduler_steps=int(scheduler.num_steps))
     positions = torch.arange(_SEQ, device=dev).unsqueeze(0).expand(_BATCH, _SEQ)
     for step in range(handle.start_step + 1, args.steps + 1):

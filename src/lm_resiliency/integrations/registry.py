@@ -54,11 +54,15 @@ RULES: list[Rule] = [
 """Framework rules, tried before the torch ones (see the module doc)."""
 
 
+def _as_list(optimizer: Any) -> list[Any]:
+    return list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
+
+
 def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """``None``, one optimizer or a sequence of them, as a list; raises ``ConfigError``."""
     if optimizer is None:
         return []
-    items = list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
+    items = _as_list(optimizer)
     for item in items:
         if not isinstance(item, torch.optim.Optimizer):
             raise ConfigError(
@@ -69,14 +73,18 @@ def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 
 def adapter_for(obj: Any, optimizer: Any = None, **options: Any) -> Adapter:
-    """The adapter for ``obj`` (a model, an engine or a trainer) and its optimizer(s).
+    """The adapter for ``obj`` (a model, an engine, a trainer, or a list of model chunks)
+    and its optimizer(s).
 
-    Local (no collectives). Raises ``ConfigError`` when nothing fits or the
-    framework's adapter is not installed, naming the type and what is supported.
+    A framework's own optimizer (Megatron's distributed optimizer, which is not
+    a ``torch.optim.Optimizer``) is handed to its adapter as given; a list of
+    model chunks is matched by its first chunk. Local (no collectives). Raises
+    ``ConfigError`` when nothing fits or the framework's adapter is not
+    installed, naming the type and what is supported.
     """
-    optimizers = as_optimizers(optimizer)
+    probe = obj[0] if isinstance(obj, (list, tuple)) and obj else obj
     for rule in RULES:
-        if rule.matches(obj):
+        if rule.matches(probe):
             try:
                 module = importlib.import_module(rule.adapter_module)
             except ImportError as exc:
@@ -85,8 +93,10 @@ def adapter_for(obj: Any, optimizer: Any = None, **options: Any) -> Adapter:
                     f"{rule.adapter_module} cannot be imported ({exc}); install the "
                     f"framework and lm-resiliency's extra for it"
                 ) from exc
-            adapter: Adapter = module.make_adapter(obj, optimizers, **options)
+            given = [] if optimizer is None else _as_list(optimizer)
+            adapter: Adapter = module.make_adapter(obj, given, **options)
             return adapter
+    optimizers = as_optimizers(optimizer)
     if isinstance(obj, torch.nn.Module):
         return _torch_adapter(obj, optimizers, **options)
     raise ConfigError(

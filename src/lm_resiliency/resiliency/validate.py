@@ -38,8 +38,14 @@ def gemini_config(config: Any, interval: Any) -> InMemoryCkptConfig:
         )
     base = config if config is not None else InMemoryCkptConfig()
     if base.interval != interval:
-        log.info(
-            "enable_resiliency: interval=%d overrides config.interval=%d", interval, base.interval
+        # Visible by default: a config built with its own interval and the call's default
+        # interval=10 is the likely slip here.
+        log.warning(
+            "enable_resiliency: interval=%d overrides config.interval=%d (pass interval=%d to "
+            "keep the config's cadence)",
+            interval,
+            base.interval,
+            base.interval,
         )
     return dataclasses.replace(base, interval=interval)
 
