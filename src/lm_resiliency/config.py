@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lm_resiliency._validate import Rule, at_least, positive_time, validate
+from lm_resiliency.knobs import REPLICATION_CHUNK_BYTES
 
 MiB = 1024 * 1024
 MEMORY_FOLDER_ENV = "LM_RESILIENCY_MEMORY_FOLDER"
@@ -40,7 +41,7 @@ class InMemoryCkptConfig:
     replication_jump: int = -1
     """World-rank distance to the peer that holds our replica; ``-1`` = ranks per node."""
 
-    replication_chunk_size: int = 16 * MiB
+    replication_chunk_size: int = REPLICATION_CHUNK_BYTES
     """Bytes per replication send (see ``estimate_chunk_size``)."""
 
     disk_flush_interval: int = 100

@@ -38,13 +38,14 @@ import torch
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.capture.slot import ANONYMOUS, ArenaBacking, ArenaHandle, Slot
 from lm_resiliency.errors import CaptureError
+from lm_resiliency.knobs import HOST_COPY_PIECE_BYTES
 from lm_resiliency.state import EncodedState, encode_state
 
 log = logging.getLogger(__name__)
 
 # Host copies are split into pieces of this size so a rate limit can pace them and a
 # huge tensor does not hold one core for a whole second.
-_HOST_PIECE_BYTES = 8 * 1024 * 1024
+_HOST_PIECE_BYTES = HOST_COPY_PIECE_BYTES
 
 _CUDA = torch.cuda.is_available()
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lm_resiliency.errors import ConfigError, ResiliencyError, UnsafePathError
+from lm_resiliency.knobs import MEMORY_LOCK_WAIT_S
 from lm_resiliency.memory.slotfile import (
     SlotFile,
     SlotIdentity,
@@ -46,7 +47,7 @@ LOCK_FILE = "lock"
 LINEAGE_FILE = "lineage.json"
 _SUFFIX = ".slot"
 #: How long a new process waits for the previous owner of a rank's folder to exit.
-LOCK_WAIT_S = 10.0
+LOCK_WAIT_S = MEMORY_LOCK_WAIT_S
 
 
 def slot_file_name(slot_name: str) -> str:

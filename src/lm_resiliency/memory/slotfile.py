@@ -42,6 +42,8 @@ import torch
 from lm_resiliency.capture import Layout, populate
 from lm_resiliency.checksums import crc_count
 from lm_resiliency.errors import CaptureError, ResiliencyError, StateSchemaError
+from lm_resiliency.knobs import CRC_CHUNK_BYTES as _CRC_CHUNK_BYTES
+from lm_resiliency.knobs import SLOT_RECORD_RESERVE_BYTES
 from lm_resiliency.persistence.publish import temp_name
 from lm_resiliency.state import validate_document
 
@@ -50,9 +52,9 @@ FORMAT_VERSION = 1
 RECORD_KIND = "lm_resiliency.slot"
 PAGE = mmap.PAGESIZE
 #: Room kept for the commit record at allocation; a larger record extends the file.
-RECORD_RESERVE_BYTES = 64 * 1024
+RECORD_RESERVE_BYTES = SLOT_RECORD_RESERVE_BYTES
 #: CRC-32C granularity of slot checksums (the same as shards and transfers).
-CRC_CHUNK_BYTES = 16 * 1024 * 1024
+CRC_CHUNK_BYTES = _CRC_CHUNK_BYTES
 _MAX_RECORD_BYTES = 256 * 1024 * 1024
 _PREFIX = struct.Struct("<8sIIQqQQQI")
 _STATE_OFFSET = 12

@@ -36,6 +36,7 @@ import torch
 from lm_resiliency._killpoints import kill_point
 from lm_resiliency.capture import Layout, populate
 from lm_resiliency.errors import StateEncodingError
+from lm_resiliency.knobs import CRC_CHUNK_BYTES
 from lm_resiliency.persistence import document
 from lm_resiliency.persistence._safefs import pread_exact, preadinto_exact, pwrite_all, write_all
 from lm_resiliency.persistence.document import ShardDocument, ShardIdentity
@@ -47,7 +48,7 @@ METADATA_KEY = "lm_resiliency"
 MAX_HEADER_BYTES = 100_000_000
 #: CRC chunk. Small enough that the CRC of the last chunk, which cannot overlap
 #: any I/O, costs ~2 ms; large enough that 1 GiB needs only 64 header entries.
-DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_CHUNK_BYTES = CRC_CHUNK_BYTES
 #: Kill point (see ``lm_resiliency.testing.kill_point``) after the first data chunk.
 KILL_MID_WRITE = "persistence.write.after_first_chunk"
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lm_resiliency.errors import SidecarUnavailable, UnsafePathError
+from lm_resiliency.knobs import SIDECAR_RETRY_S
 from lm_resiliency.persistence._safefs import open_file_nofollow, pread_exact
 from lm_resiliency.persistence.namespace import sidecar_file
 from lm_resiliency.persistence.publish import publish_bytes
@@ -55,7 +56,7 @@ DEFAULT_HISTORY_LIMIT = 16
 #: Longest history a reader accepts (a larger one is treated as damaged).
 MAX_HISTORY = 4096
 #: How long readers retry visibility failures by default.
-DEFAULT_RETRY_S = 2.0
+DEFAULT_RETRY_S = SIDECAR_RETRY_S
 _MAX_SIDECAR_BYTES = 1 << 20
 _KEYS = {
     "kind",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.knobs import REPLICATION_CHUNK_BYTES
 
 MIN_CHUNK_BYTES = 64 * 1024
 """Smallest chunk: below this, per-message overhead dominates a transfer."""
@@ -12,7 +13,7 @@ MIN_CHUNK_BYTES = 64 * 1024
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
 """Largest chunk: one message must never monopolise the NIC for long."""
 
-DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = REPLICATION_CHUNK_BYTES
 """The contract's default ``replication_chunk_size``."""
 
 

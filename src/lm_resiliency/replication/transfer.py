@@ -32,10 +32,12 @@ import torch
 from lm_resiliency.capture.arena import allocate_arena
 from lm_resiliency.checksums import ChunkCrc, crc_count, mismatched, pack_crcs, unpack_crcs
 from lm_resiliency.errors import IntegrityError, ReplicationError
+from lm_resiliency.knobs import CRC_CHUNK_BYTES as _CRC_CHUNK_BYTES
+from lm_resiliency.knobs import READ_AHEAD_CHUNKS as _READ_AHEAD_CHUNKS
 from lm_resiliency.replication._protocol import Received
 from lm_resiliency.replication.transport import ReplicationChannel
 
-CRC_CHUNK_BYTES = 16 * 1024 * 1024
+CRC_CHUNK_BYTES = _CRC_CHUNK_BYTES
 """Checksum granularity of in-memory sources: a corrupt chunk is named by its index."""
 
 
@@ -137,7 +139,7 @@ def send_checkpoint(
             read_piece.close()
 
 
-READ_AHEAD_CHUNKS = 2
+READ_AHEAD_CHUNKS = _READ_AHEAD_CHUNKS
 """How many chunks a streamed source is read ahead of the transport."""
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from lm_resiliency.errors import ConfigError, ReplicationError
+from lm_resiliency.knobs import MAX_IN_FLIGHT_CHUNKS, REPLICATION_TIMEOUT_S
 from lm_resiliency.replication._edge import Edge
 from lm_resiliency.replication._link import (
     Allocator,
@@ -49,7 +50,7 @@ from lm_resiliency.replication.pairing import PairingPlan
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024 * 1024
 """Largest JSON header a receiver accepts (layout tables of very large models fit)."""
 
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = REPLICATION_TIMEOUT_S
 """Default bound on any single wait of a transfer."""
 
 _instances = itertools.count()
@@ -84,7 +85,7 @@ class ReplicationChannel:
         rank: int | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        max_in_flight: int = 4,
+        max_in_flight: int = MAX_IN_FLIGHT_CHUNKS,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         store: Store | None = None,
         namespace: str = "lm_resiliency/replication",
