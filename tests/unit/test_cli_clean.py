@@ -72,3 +72,31 @@ def test_inspect_lists_memory_slots_next_to_files(
     assert "memory run" in out and "run_id='shown'" in out
     assert "own-0.slot    COMMITTED         10      0" in out
     assert "rank 0: no live process" in out
+
+
+def test_inspect_shows_each_generations_trust_and_why(
+    tmp_path: Path, _isolated_memory_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = InMemoryCkptConfig(
+        run_id="trust", disk_folder=str(tmp_path / "disk"), interval=10, disk_flush_interval=10,
+        signal_flush=False,
+    )  # fmt: skip
+    m = InMemoryCheckpointManager(cfg)
+    for step in (10, 20):
+        m.save({"w": torch.full((100,), float(step)), "step": step}, step)
+        m.maybe_wait()
+    m.wait_persisted()
+    m.mark_verified(10)
+    m.reject(20, reason="SCOUT at step 20: group [0, 1] inconclusive")
+    m.require_verified_recovery(20, reason="SDC at step 20")
+    m.wait_persisted()
+    m.close(finished=False)
+    assert (
+        main(["inspect", str(tmp_path / "disk"), "--memory-folder", str(_isolated_memory_folder)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    lines = {ln.split()[1]: ln for ln in out.splitlines() if ln.strip().startswith("step ")}
+    assert "recovery_verified" in lines["10"]
+    assert "rejected" in lines["20"] and "inconclusive" in lines["20"]
+    assert "recover in verified mode (SCOUT saw SDC at step 20" in out

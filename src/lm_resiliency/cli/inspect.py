@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ from lm_resiliency.errors import UnsafePathError
 from lm_resiliency.memory.catalog import MemoryRun, scan_memory
 from lm_resiliency.memory.catalog import to_json as memory_json
 from lm_resiliency.persistence.catalog import RunInfo, ShardInfo, problems, scan, to_json
+from lm_resiliency.persistence.trust_view import TopologyTrust, trust_report
 
 
 def register(subparsers: Any) -> None:
@@ -58,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"lm-resiliency inspect: error: cannot read {args.dir}: {exc}", file=sys.stderr)
         return 2
     memory = scan_memory(args.memory_folder)
+    trust = trust_report(args.dir)
     unverified = _unverified(runs) if args.verify else []
     bad_slots = [s for r in memory for rank in r.ranks for s in rank.slots if s.problem]
     code = 1 if problems(runs) or bad_slots else (EXIT_UNVERIFIED if unverified else 0)
@@ -69,10 +72,12 @@ def run(args: argparse.Namespace) -> int:
                 "runs": to_json(runs),
                 "memory_folder": args.memory_folder,
                 "memory": memory_json(memory),
+                "trust": [dataclasses.asdict(t) for t in trust],
             }
             print(json.dumps(doc, indent=1))
         else:
             _print_table(args.dir, runs, verify=args.verify)
+            _print_trust(trust)
             _print_memory(args.memory_folder, memory)
             if unverified:
                 print(
@@ -157,3 +162,20 @@ def _print_memory(folder: str, runs: list[MemoryRun]) -> None:
                     f"  {_size(slot.size_bytes)}"
                 )
             print(f"    rank {rank.rank}: {live}")
+
+
+def _print_trust(topologies: list[TopologyTrust]) -> None:
+    """Each generation's trust (verified / candidate / rejected / unverified) and why."""
+    for topo in topologies:
+        if not topo.generations and not topo.verdicts and not topo.unreadable:
+            continue
+        print(f"trust of run {topo.run} topology {topo.topology}:")
+        for gen in topo.generations:
+            print(f"    step {gen.step:>8}  {gen.trust:<18}  {gen.why}")
+        for rank, verdict in sorted(topo.verdicts.items()):
+            print(
+                f"    rank {rank}: recover in verified mode (SCOUT saw SDC at step "
+                f"{verdict.step}: {verdict.reason})"
+            )
+        for rank, why in sorted(topo.unreadable.items()):
+            print(f"    rank {rank}: status sidecar unusable, trust unknown: {why}")
