@@ -418,7 +418,15 @@ class ShardStore:
             status = status.with_verified(step, history_limit=self.history_limit)
         for owner, steps in owners.items():
             status = status.with_persisted(owner, max(steps))
-        return status
+        # What else the sidecar said (SCOUT's rejections and verdict) is unknown now: stay
+        # conservative until a verified recovery is certified again.
+        return status.with_verdict(
+            RecoveryVerdict(
+                step=max(verified, default=0),
+                reason="the status sidecar was damaged and rebuilt from the shards; what SCOUT "
+                "recorded in it is unknown, so recovery stays in verified mode",
+            )
+        )
 
     # -- reading -----------------------------------------------------------------
 
@@ -578,9 +586,21 @@ class ShardStore:
         The step leaves the verified history and stops being the candidate.
         """
         limit = self.history_limit
-        return self._update(
+        status = self._update(
             lambda s: s.with_rejected(_nonneg("step", step), str(reason), history_limit=limit)
         )
+        self._drop_markers(step)  # a rejected step must not come back from a rebuilt sidecar
+        return status
+
+    def _drop_markers(self, step: int) -> None:
+        try:
+            with opened_dir(self.root, (*self._parts, ns.step_dir(step)), create=False) as d:
+                for name in os.listdir(d):
+                    if name.startswith("trust-rank-") and name.endswith(".json"):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(name, dir_fd=d)
+        except (FileNotFoundError, UnsafePathError):
+            return
 
     def set_verdict(self, verdict: RecoveryVerdict | None) -> SidecarStatus:
         """Publish SCOUT's recovery verdict in the sidecar (``None`` clears it)."""
