@@ -3,7 +3,8 @@
 What it runs, on CPU with Gloo (about half a minute on 2 cores with the defaults):
 
 1. torchrun's elastic launcher starts ``--world-size`` workers training a tiny
-   GPT on synthetic text with DDP; GEMINI captures every ``--interval`` steps,
+   GPT on synthetic text with DDP (``--framework fsdp2``: sharded with
+   ``fully_shard``), through ``enable_resiliency``; GEMINI captures every ``--interval`` steps,
    replicates each capture to a peer rank and flushes to ``--disk-folder``
    every ``--flush-interval`` steps;
 2. after ``--fault-step`` rank ``--fault-rank`` is SIGKILLed (first attempt only);
@@ -13,7 +14,8 @@ What it runs, on CPU with Gloo (about half a minute on 2 cores with the defaults
    they outlive the processes;
 3. the new workers re-attach to those slots, call ``find_latest()`` and
    ``load()`` (every rank restores from its own memory), restore model,
-   optimizer, RNG and data position, prime DDP's buckets and finish;
+   optimizer, every RNG, the data position and DDP's bucket order (all through
+   ``enable_resiliency``: the workers run the plain loop) and finish;
 4. a second, fault-free torchrun job of the same seed, steps and world size
    runs, and the final parameters and optimizer state of both are compared
    with ``torch.equal``.
@@ -79,6 +81,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--framework",
+        choices=("ddp", "fsdp2"),
+        default="ddp",
+        help="how the workers shard the model: DDP replicas (default) or FSDP2 (fully_shard)",
+    )
+    p.add_argument(
         "--timeout-s", type=float, default=300.0, help="bound per torchrun job in seconds (300)"
     )
     p.add_argument(
@@ -129,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             fault_step=args.fault_step,
             fault_rank=args.fault_rank,
+            framework=args.framework,
         )
     except ConfigError as exc:
         print(f"lm-resiliency demo: {exc}", file=sys.stderr)
@@ -211,8 +220,9 @@ def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
 
     n = args.world_size
     print(
-        f"lm-resiliency demo: {n} workers under torchrun (Gloo, CPU), tiny GPT on synthetic "
-        f"text, {spec.steps} steps\n"
+        f"lm-resiliency demo: {n} workers under torchrun (Gloo, CPU), tiny GPT "
+        f"({spec.framework.upper()}) on synthetic text, {spec.steps} steps, the plain loop with "
+        "enable_resiliency\n"
         f"  GEMINI: capture every {spec.interval} steps into memory slots on /dev/shm (they "
         "outlive the worker), replicate to a peer rank, persist to "
         f"{disk} "
@@ -240,6 +250,7 @@ def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
         interval=spec.interval,
         flush_interval=spec.flush_interval,
         seed=spec.seed,
+        framework=spec.framework,
     )
     ref_job = start_job(ref_spec, ref_dir, disk, nproc=n, run_id=f"demo-ref-{tag}", max_restarts=0)
     ref = ref_job.wait(args.timeout_s)
@@ -248,16 +259,15 @@ def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
         return False
     print(f"  done in {time.monotonic() - t_ref:.1f} s")
     comparison = compare_final(run_dir, ref_dir)
-    digests = set(summary.finished.values()) | set(
-        summarize(read_events(ref_dir)).finished.values()
-    )
-    identical = comparison.identical and len(digests) == 1
+    ref_digests = summarize(read_events(ref_dir)).finished
+    same_digests = summary.finished == ref_digests and len(ref_digests) == n
+    identical = comparison.identical and same_digests
     print(
         f"check: final parameters and optimizer state bit-identical to the fault-free run: "
-        f"{identical} ({comparison.tensors} tensors compared with torch.equal"
+        f"{identical} ({comparison.tensors} tensors of {n} ranks compared with torch.equal"
         + (f"; differing: {', '.join(comparison.mismatched[:5])}" if comparison.mismatched else "")
         + (f"; max abs diff {comparison.max_abs_diff:.3g}" if comparison.max_abs_diff else "")
-        + f"; every rank's final-state digest equal: {len(digests) == 1})"
+        + f"; every rank's final-state digest equal to its reference's: {same_digests})"
     )
     return identical
 
@@ -365,7 +375,7 @@ _PHASES = {
     "restart": "-> new workers spawned (survivors exit, re-rendezvous)",
     "startup": "new workers: interpreter, imports, process group, GEMINI manager",
     "agreement": "find_latest(): every rank's sources gathered, newest common step",
-    "load": "load() + restoring model, optimizer, RNG, data position + priming DDP",
+    "load": "load() + restoring model, optimizer, RNGs, data position, DDP bucket order",
 }
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from lm_resiliency.demo.worker import FINAL_STATE
+from lm_resiliency.demo.worker import FINAL_STATE_PREFIX
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.testing.torchrun import TorchrunJob, start_torchrun
 
@@ -40,6 +40,8 @@ class DemoSpec:
     hold_step: int = 0
     """Idle in a heartbeat after this step until a peer is lost; 0: never."""
     pg_timeout_s: float = 30.0
+    framework: str = "ddp"
+    """``"ddp"`` or ``"fsdp2"`` (see :mod:`lm_resiliency.demo.training`)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.interval < 1 or self.flush_interval < 0:
@@ -62,6 +64,7 @@ class DemoSpec:
             "--flush-interval", str(self.flush_interval), "--seed", str(self.seed),
             "--fault-step", str(self.fault_step), "--fault-rank", str(self.fault_rank),
             "--hold-step", str(self.hold_step), "--pg-timeout-s", str(self.pg_timeout_s),
+            "--framework", self.framework,
         ]  # fmt: skip
 
 
@@ -117,17 +120,23 @@ class Comparison:
 
 
 def load_final(run_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The final parameters and optimizer state rank 0 of a finished run wrote."""
-    path = Path(run_dir) / FINAL_STATE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; the run in {run_dir} did not finish")
-    return load_file(str(path))
+    """The final parameters and optimizer state every rank of a finished run wrote, by
+    ``"rank-<R>/<name>"`` (under FSDP2 each rank's own shards)."""
+    paths = sorted(Path(run_dir).glob(f"{FINAL_STATE_PREFIX}*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"no final state in {run_dir}: the run did not finish")
+    out: dict[str, torch.Tensor] = {}
+    for path in paths:
+        rank = path.name.removeprefix(FINAL_STATE_PREFIX).removesuffix(".safetensors")
+        out.update({f"rank-{rank}/{k}": v for k, v in load_file(str(path)).items()})
+    return out
 
 
 def compare_final(
     run_dir: str | os.PathLike[str], reference_dir: str | os.PathLike[str]
 ) -> Comparison:
-    """Compare two finished runs' final state tensor by tensor with ``torch.equal``."""
+    """Compare two finished runs' final state (every rank's) tensor by tensor with
+    ``torch.equal``."""
     got, want = load_final(run_dir), load_final(reference_dir)
     mismatched = sorted(set(got) ^ set(want))
     worst = 0.0

@@ -5,18 +5,20 @@
 Per worker process:
 
 1. forms the Gloo group with :func:`lm_resiliency.distributed.init_process_group`
-   (works in every generation torchrun starts), builds the model and the
-   GEMINI manager (run id from ``LM_RESILIENCY_RUN_ID``, stable across restarts);
-2. recovers: ``find_latest()`` then ``load()`` on every rank; restores model,
-   optimizer, RNG and data position and primes DDP's buckets; a first
-   generation finds nothing and starts at step 1. The memory slots of the
-   previous generation's processes are files on ``/dev/shm`` (the manager's
+   (works in every generation torchrun starts) and builds the model
+   (``--framework ddp`` or ``fsdp2``), the optimizer and the data stream;
+2. calls ``enable_resiliency(model, optimizer, interval=..., state={"data": ...})``
+   (run id from ``LM_RESILIENCY_RUN_ID``, stable across restarts): it recovers
+   the newest step every rank can load and restores model, optimizer, every
+   RNG, the data position and DDP's gradient bucket order; a first generation
+   finds nothing and starts at step 1. The memory slots of the previous
+   generation's processes are files on ``/dev/shm`` (the manager's
    ``memory_folder``), so a restarted worker recovers from memory;
-3. trains with the contract's loop, verbatim (``maybe_wait`` before
-   ``optimizer.step``, ``save`` every ``--interval`` steps, node-local flush
-   every ``--flush-interval`` steps); nothing catches errors;
-4. writes the final parameters and optimizer state to
-   ``<run-dir>/final-state.safetensors`` (rank 0) and a digest per rank.
+3. trains with the plain loop (forward/backward, ``optimizer.step()``,
+   ``zero_grad()``): the captures hang off the optimizer's step hooks, the
+   node-local flush runs every ``--flush-interval`` steps; nothing catches errors;
+4. writes each rank's final parameters and optimizer state (its shards under
+   FSDP2) to ``<run-dir>/final-state-rank-<R>.safetensors`` and a digest.
 
 Faults, first generation only (a marker file in the run folder records that a
 fault already happened, so a restarted or replacement worker never repeats it):
@@ -56,13 +58,13 @@ from safetensors.torch import save_file
 
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.demo.events import EventLog, process_start_time
-from lm_resiliency.demo.training import Trainer, digest
+from lm_resiliency.demo.training import FRAMEWORKS, Trainer, digest
 from lm_resiliency.distributed import init_process_group, restart_count
-from lm_resiliency.experimental import InMemoryCheckpointManager
+from lm_resiliency.resiliency import enable_resiliency
 
 FAULT_MARKER = "fault-injected"
 HOLD_MARKER = "hold-released"
-FINAL_STATE = "final-state.safetensors"
+FINAL_STATE_PREFIX = "final-state-rank-"
 _HEARTBEAT_S = 0.2
 
 
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--hold-step", type=int, default=0, help="0: never hold")
     p.add_argument("--pg-timeout-s", type=float, default=30.0)
+    p.add_argument("--framework", choices=FRAMEWORKS, default="ddp", help="ddp or fsdp2")
     return p
 
 
@@ -91,95 +94,105 @@ def main(argv: Sequence[str] | None = None) -> int:
     _record_exit_errors(events)
     init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout_s))
     events.emit("group_formed", world_size=dist.get_world_size())
-    trainer = Trainer(args.seed, rank=rank, world_size=dist.get_world_size())
-    holder: list[InMemoryCheckpointManager] = []
+    trainer = Trainer(
+        args.seed, rank=rank, world_size=dist.get_world_size(), framework=args.framework
+    )
+    holder: list[Any] = []
     # Installed before the manager's own handler, so it runs after GEMINI's flush.
     _on_sigterm(lambda: events.emit("sigterm_flushed", slots=_slot_states(holder)))
     config = InMemoryCkptConfig(
-        interval=args.interval,
         disk_flush_interval=args.flush_interval,
         disk_folder=args.disk_folder,
         replication_jump=-1,  # ranks per node: the replica lives on another node
     )
-    manager = InMemoryCheckpointManager(config)
-    holder.append(manager)
+    t0 = time.time()
+    # The front door: recovers the newest common step (or none) and from now on
+    # captures every --interval optimizer steps through the optimizer's hooks.
+    resiliency = enable_resiliency(
+        trainer.model,
+        trainer.optimizer,
+        interval=args.interval,
+        config=config,
+        state={"data": trainer.data},
+    )
+    holder.append(resiliency.manager)
     # Installed after it, so it runs first: the agent's SIGTERM, before the flush.
     _on_sigterm(lambda: events.emit("sigterm", slots=_slot_states(holder)))
-    plan = manager.plan
-    events.emit(
-        "manager_ready",
-        run_id=manager.run_id,
-        sends_to=plan.send_to(rank) if plan is not None and plan.has_peer else None,
-    )
-    start = _recover(manager, trainer, events) + 1
-    _train(args, manager, trainer, events, rank, start)
-    manager.wait_persisted()
+    _report_recovery(resiliency, events, rank, t0)
+    _train(args, resiliency, trainer, events, rank)
+    resiliency.manager.wait_persisted()
     dist.barrier()
     final = trainer.final_tensors()
-    if rank == 0:
-        save_file(final, str(args.run_dir / FINAL_STATE))
-    events.emit("finished", digest=digest(final), step=args.steps, stats=_stats(manager))
-    manager.close()
+    save_file(final, str(args.run_dir / final_state(rank)))
+    events.emit("finished", digest=digest(final), step=args.steps, stats=_stats(resiliency))
+    resiliency.close()
     dist.destroy_process_group()
     return 0
 
 
-def _recover(manager: InMemoryCheckpointManager, trainer: Trainer, events: EventLog) -> int:
-    """Collective: restore the newest common step, or 0 when there is none."""
-    t0 = time.time()
-    step = manager.find_latest()
-    t1 = time.time()
-    if step is None:
-        events.emit("fresh_start", find_latest_s=t1 - t0)
-        return 0
-    state = manager.load(step)
-    t2 = time.time()
-    resumed = trainer.restore(state)
-    t3 = time.time()
-    report = manager.last_recovery
-    assert report is not None
+def final_state(rank: int) -> str:
+    """The file holding ``rank``'s final parameters and optimizer state."""
+    return f"{FINAL_STATE_PREFIX}{rank}.safetensors"
+
+
+def _report_recovery(resiliency: Any, events: EventLog, rank: int, t0: float) -> None:
+    """The events the summary reads: manager ready, then a fresh start or the recovery."""
+    info = resiliency.last_recovery
+    manager = resiliency.manager
+    plan = manager.plan
+    # enable_resiliency builds the manager, then recovers: the recovery's own time
+    # is known, so "ready" is the moment it began.
+    events.emit(
+        "manager_ready",
+        t=time.time() - info.seconds,
+        run_id=manager.run_id,
+        sends_to=plan.send_to(rank) if plan is not None and plan.has_peer else None,
+    )
+    report = info.report
+    if info.source != "gemini" or report is None:
+        events.emit("fresh_start", find_latest_s=info.seconds)
+        return
+    agree = report.phases_s.get("agree", 0.0)
     events.emit(
         "recovered",
-        step=resumed,
-        agreed=step,
-        sources=report.sources,
+        step=resiliency.start_step,
+        agreed=report.step,
+        sources=list(info.sources),
         bytes_moved=report.bytes_moved,
         walked_back_from=report.walked_back_from,
         phases_s=report.phases_s,
-        find_latest_s=t1 - t0,
-        load_s=t2 - t1,
-        apply_s=t3 - t2,
+        find_latest_s=agree,
+        load_s=info.seconds - agree,
+        apply_s=0.0,
+        enable_s=time.time() - t0,
     )
-    return resumed
 
 
 def _train(
     args: argparse.Namespace,
-    manager: InMemoryCheckpointManager,
+    resiliency: Any,
     trainer: Trainer,
     events: EventLog,
     rank: int,
-    start: int,
 ) -> None:
-    for step in range(start, args.steps + 1):
+    start = resiliency.start_step + 1
+    for step in range(start, args.steps + 1):  # the plain loop: nothing else in it
         loss = trainer.forward_backward()
-        manager.maybe_wait()  # the previous capture is complete before parameters change
-        trainer.optimizer_step()
-        if step % args.interval == 0:
-            manager.save(trainer.state(step), step)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
         if rank == 0:
             events.emit("step", step=step, loss=loss)
         if step == start and start > 1:
             events.emit("resumed", step=step)
         if step == args.fault_step and not (args.run_dir / FAULT_MARKER).exists():
-            _inject_fault(args, manager, events, rank, step)
+            _inject_fault(args, resiliency.manager, events, rank, step)
         if step == args.hold_step and not (args.run_dir / HOLD_MARKER).exists():
-            _hold(args, manager, events, step)
+            _hold(args, resiliency.manager, events, step)
 
 
 def _inject_fault(
     args: argparse.Namespace,
-    manager: InMemoryCheckpointManager,
+    manager: Any,
     events: EventLog,
     rank: int,
     step: int,
@@ -197,9 +210,7 @@ def _inject_fault(
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _hold(
-    args: argparse.Namespace, manager: InMemoryCheckpointManager, events: EventLog, step: int
-) -> None:
+def _hold(args: argparse.Namespace, manager: Any, events: EventLog, step: int) -> None:
     manager.wait_persisted()
     dist.barrier()
     events.emit("holding", step=step)
@@ -234,7 +245,7 @@ def _on_sigterm(action: Any) -> None:
     signal.signal(signal.SIGTERM, handle)
 
 
-def _slot_states(holder: list[InMemoryCheckpointManager]) -> dict[str, Any]:
+def _slot_states(holder: list[Any]) -> dict[str, Any]:
     """Each slot's step, state and owner (what a signal flush changes)."""
     if not holder:
         return {}
@@ -244,12 +255,15 @@ def _slot_states(holder: list[InMemoryCheckpointManager]) -> dict[str, Any]:
     }
 
 
-def _stats(manager: InMemoryCheckpointManager) -> dict[str, Any]:
+def _stats(resiliency: Any) -> dict[str, Any]:
+    manager = resiliency.manager
     capture = manager.stats
     repl = manager.replication_stats
+    blocking = resiliency.stats.per_capture_s()
     return {
         "captures": capture.captures,
         "save_ms_mean": 1e3 * sum(capture.save_s) / max(1, len(capture.save_s)),
+        "blocking_ms_mean": 1e3 * sum(blocking) / max(1, len(blocking)),
         "replicated": repl.replicated if repl is not None else 0,
         "replication_failures": repl.failures if repl is not None else 0,
         "flushed": manager.flush_stats.written,
