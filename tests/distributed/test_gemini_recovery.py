@@ -275,3 +275,22 @@ def test_hsdp_replica_ranks_must_be_an_evenly_spaced_replicate_dimension(tmp_pat
 
 def _bad_replicas(rank: int, world: int, tmp: str) -> None:
     InMemoryCheckpointManager(_cfg(tmp), hsdp_replicated=True, replica_ranks=[0, 1, 3])
+
+
+def _two_rank_run(rank: int, world: int, tmp: str) -> None:
+    m = InMemoryCheckpointManager(_cfg(tmp, disk_flush_interval=10, memory_folder=None))
+    m.save(_state(rank, 10), 10)
+    m.maybe_wait()
+    m.wait_persisted()
+    m.close(finished=False)
+
+
+def test_a_restart_on_another_world_size_says_why_it_recovers_nothing(tmp_path, caplog) -> None:
+    import logging
+
+    run_distributed(_two_rank_run, 2, args=(str(tmp_path),), timeout_s=120)
+    with caplog.at_level(logging.WARNING):
+        m = InMemoryCheckpointManager(_cfg(str(tmp_path), memory_folder=None))
+        assert m.find_latest() is None  # a 1-rank job cannot load 2-rank shards
+        m.close(finished=False)
+    assert "for another topology" in caplog.text and "resharding is not supported" in caplog.text

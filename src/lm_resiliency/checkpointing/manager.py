@@ -65,6 +65,7 @@ from lm_resiliency.persistence import (
     resolve_run_id,
     topology_fingerprint,
 )
+from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence.lineage import Lineage
 from lm_resiliency.recovery.availability import Report, Source
 from lm_resiliency.recovery.fetch import FetchContext
@@ -119,6 +120,8 @@ class InMemoryCheckpointManager:
         self._trust_pending: list[Future[None]] = []
         self._trust_lock = threading.Lock()
         self._last_capture: int | None = None
+        self._other_topologies: list[str] = []
+        """Namespaces of this run for another topology (another world size or pairing)."""
         self.control = ControlPlane(self.group, timeout_s=cfg.control_timeout_s)
         self.rank = self.control.rank
         self.world_size = self.control.world_size
@@ -183,6 +186,7 @@ class InMemoryCheckpointManager:
             context=self._fetch_context,
             holder_of=self._holder_of,
             restarted=(restart_count() or 0) > 0,
+            other_topologies=self._other_topologies + self._disk_topologies(),
         )
         self._exit_flush = ExitFlush(
             self._flush_consistent, deadline_s=cfg.signal_flush_deadline_s, after=self._after_flush
@@ -258,6 +262,7 @@ class InMemoryCheckpointManager:
             )
             return None
         removed = folder.remove_superseded_topologies()
+        self._other_topologies.extend(removed)
         if removed:
             log.info(
                 "rank %d: removed memory slots of superseded topologies %s", self.rank, removed
@@ -328,6 +333,21 @@ class InMemoryCheckpointManager:
                 sorted(a.step for a in own),
                 sorted(a.step for a in held),
             )
+
+    def _disk_topologies(self) -> list[str]:
+        """Topology folders of this run on this node's disk other than ours, with generations."""
+        run = Path(self.config.disk_folder) / ns.run_dir(self.run_id)
+        mine = ns.topology_dir(self.topology)
+        if not run.is_dir() or run.is_symlink():
+            return []
+        return sorted(
+            p.name
+            for p in run.iterdir()
+            if ns.is_topology_dir(p.name)
+            and p.name != mine
+            and not p.is_symlink()
+            and any(ns.parse_step_dir(q.name) is not None for q in p.iterdir())
+        )
 
     def _local_lineages(self) -> list[Lineage | None]:
         found: list[Lineage | None] = []

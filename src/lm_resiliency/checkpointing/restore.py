@@ -69,12 +69,14 @@ class Restorer:
         context: Callable[[], FetchContext],
         holder_of: Callable[[int], int | None],
         restarted: bool,
+        other_topologies: list[str] | None = None,
     ) -> None:
         self._control = control
         self._report = report
         self._context = context
         self._holder_of = holder_of
         self._restarted = restarted
+        self._other_topologies = list(other_topologies or [])
         self._said_nothing = False
 
     def gather(self, mode: RecoveryMode) -> tuple[Options, list[Report], set[int]]:
@@ -171,16 +173,25 @@ class Restorer:
         if self._said_nothing or self._control.rank != 0:
             return
         anything = any(any(r.to_json()[:4]) for r in reports)
-        if not (self._restarted or anything):
+        if not (self._restarted or anything or self._other_topologies):
             return  # a fresh job: nothing to recover is the expected answer
         self._said_nothing = True
         newest = ", ".join(
             f"rank {r}: {max(rep.own_memory | rep.own_disk, default='none')}"
             for r, rep in enumerate(reports)
         )
+        other = (
+            f"; this run has GEMINI checkpoints for another topology ({len(self._other_topologies)}"
+            " namespace(s): another world size, pairing or replica layout): they cannot be "
+            "loaded onto this one (resharding is not supported; restore a durable checkpoint "
+            "with load_fallback, or restart with the original world size)"
+            if self._other_topologies
+            else ""
+        )
         log.warning(
-            "GEMINI recovers nothing (%s mode): %s; newest own step per rank: %s",
+            "GEMINI recovers nothing (%s mode): %s; newest own step per rank: %s%s",
             mode.value,
             why,
             newest,
+            other,
         )
