@@ -9,7 +9,6 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-import crc32c
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -23,6 +22,7 @@ from lm_resiliency.errors import (
     ShardUnavailable,
     UnsafePathError,
 )
+from lm_resiliency.faults.disk import data_start, edit_document, flip_data_byte
 from lm_resiliency.persistence import ShardStore
 
 torch.set_num_threads(1)
@@ -49,14 +49,8 @@ def _write(store: ShardStore, *, owner: int = 0, step: int = 3) -> Path:
     )
 
 
-def _data_start(raw: bytes) -> int:
-    return 8 + struct.unpack("<Q", raw[:8])[0]
-
-
-def _flip_data(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[_data_start(raw) + 5] ^= 0x01
-    path.write_bytes(bytes(raw))
+_data_start = data_start
+_flip_data = flip_data_byte
 
 
 def _truncate(path: Path) -> None:
@@ -86,28 +80,7 @@ def _malformed_json(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
-def _document_crc(doc: dict) -> str:
-    """The document CRC as docs/persistence.md specifies it (what a careful forger computes)."""
-    body = {k: v for k, v in doc.items() if k != "document_crc32c"}
-    if isinstance(body["integrity"], dict):
-        body["integrity"] = {k: v for k, v in body["integrity"].items() if k != "chunks"}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return f"{crc32c.crc32c(text):08x}"
-
-
-def _edit_document(path: Path, edit: Callable[[dict], None], *, fix_crc: bool = False) -> None:
-    """Rewrite the embedded document (same file otherwise)."""
-    raw = path.read_bytes()
-    start = _data_start(raw)
-    header = json.loads(raw[8:start])
-    doc = json.loads(header["__metadata__"]["lm_resiliency"])
-    edit(doc)
-    if fix_crc:
-        doc["document_crc32c"] = _document_crc(doc)
-    header["__metadata__"]["lm_resiliency"] = json.dumps(doc)
-    text = json.dumps(header).encode()
-    text += b" " * (-(8 + len(text)) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[start:])
+_edit_document = edit_document
 
 
 def _state_value_changed(path: Path) -> None:

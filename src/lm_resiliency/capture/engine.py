@@ -88,6 +88,23 @@ class Adopted:
     timeline: str | None
 
 
+def adopt_into(slots: list[Slot], adopted: Sequence[Adopted], *, owner_rank: int) -> list[Slot]:
+    """Give each adopted capture to the slot of its name; the slots, newest complete first."""
+    by_name = {s.name: s for s in slots}
+    for a in adopted:
+        by_name[a.slot_name].adopt(
+            a.handle,
+            a.layout,
+            step=a.step,
+            document=a.document,
+            owner_rank=owner_rank,
+            timeline=a.timeline,
+        )
+    complete = [s for s in slots if s.complete]
+    empty = [s for s in slots if not s.complete]
+    return sorted(complete, key=lambda s: s.step or 0, reverse=True) + empty
+
+
 AfterCapture = Callable[[Slot], None]
 PlanArenas = Callable[[int], None]
 """Called on the caller's thread with a new layout's byte size before its first copy."""
@@ -213,19 +230,7 @@ class CaptureEngine:
         """Take over complete captures an earlier process left, newest step first into
         ``own_current``. Call before the first capture.
         """
-        by_name = {s.name: s for s in self.slots}
-        for a in adopted:
-            by_name[a.slot_name].adopt(
-                a.handle,
-                a.layout,
-                step=a.step,
-                document=a.document,
-                owner_rank=self.rank,
-                timeline=a.timeline,
-            )
-        complete = [s for s in self.slots if s.complete]
-        empty = [s for s in self.slots if not s.complete]
-        self.slots = sorted(complete, key=lambda s: s.step or 0, reverse=True) + empty
+        self.slots = adopt_into(self.slots, adopted, owner_rank=self.rank)
 
     def complete_slots(self) -> list[Slot]:
         """The complete own slots, newest step first."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lm_resiliency.capture.engine import Adopted
+from lm_resiliency.capture.engine import Adopted, adopt_into
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.capture.slot import ANONYMOUS, ArenaBacking, Slot, SlotState
 from lm_resiliency.errors import ReplicationError
@@ -76,18 +76,7 @@ class PeerReplicas:
 
     def adopt(self, adopted: list[Adopted]) -> None:
         """Take over replicas an earlier process held (newest step into ``peer_current``)."""
-        by_name = {s.name: s for s in self.slots}
-        for a in adopted:
-            by_name[a.slot_name].adopt(
-                a.handle,
-                a.layout,
-                step=a.step,
-                document=a.document,
-                owner_rank=self.recv_from,
-                timeline=a.timeline,
-            )
-        self.slots.sort(key=lambda s: s.step if s.complete and s.step is not None else -1)
-        self.slots.reverse()
+        self.slots = adopt_into(self.slots, adopted, owner_rank=self.recv_from)
 
     def complete_slots(self) -> list[Slot]:
         done = [s for s in self.slots if s.complete and s.step is not None]

@@ -38,7 +38,8 @@ from lm_resiliency.memory.slotfile import (
     check_descriptor,
 )
 from lm_resiliency.persistence import namespace as ns
-from lm_resiliency.persistence._safefs import check_dir_fd, open_subdir
+from lm_resiliency.persistence._safefs import open_root as safe_open_root
+from lm_resiliency.persistence._safefs import open_subdir
 from lm_resiliency.persistence.lineage import Lineage, read_lineage, write_lineage
 
 log = logging.getLogger(__name__)
@@ -80,13 +81,7 @@ def open_root(root: Path) -> int:
             "on a memory filesystem this user can write (e.g. /dev/shm/lm-resiliency-<user>), "
             "or memory_folder=None for process memory"
         ) from None
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        check_dir_fd(fd, str(root), root=True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return safe_open_root(root)
 
 
 class MemoryFolder:

@@ -39,11 +39,13 @@ from typing import Any
 import crc32c
 import torch
 
+from lm_resiliency import _strict_json as strict_json
 from lm_resiliency.capture import Layout, populate
 from lm_resiliency.checksums import crc_count
 from lm_resiliency.errors import CaptureError, ResiliencyError, StateSchemaError
 from lm_resiliency.knobs import CRC_CHUNK_BYTES as _CRC_CHUNK_BYTES
 from lm_resiliency.knobs import SLOT_RECORD_RESERVE_BYTES
+from lm_resiliency.persistence._safefs import pwrite_all
 from lm_resiliency.persistence.publish import temp_name
 from lm_resiliency.state import validate_document
 
@@ -301,7 +303,7 @@ class SlotFile:
                     f"no room for a {len(blob)}-byte commit record in {self.where}: {exc.strerror}"
                 ) from None
         self.mark(SlotFileState.WRITING)
-        _pwrite_all(fd, blob, offset)
+        pwrite_all(fd, blob, offset)
         prefix = _PREFIX.pack(
             MAGIC,
             FORMAT_VERSION,
@@ -313,7 +315,7 @@ class SlotFile:
             len(blob),
             crc32c.crc32c(blob),
         )
-        _pwrite_all(fd, prefix, 0)
+        pwrite_all(fd, prefix, 0)
         self.mark(SlotFileState.COMMITTED)
 
     def verify(self, record: SlotRecord, *, required: bool) -> None:
@@ -395,14 +397,6 @@ class SlotFile:
         if self._fd is None:
             raise ValueError(f"memory slot {self.where} is closed")
         return self._fd
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
 
 
 def _fail(reason: SlotReason, where: str, detail: str) -> SlotUnavailable:
@@ -487,19 +481,8 @@ def _validate(fd: int, expected: SlotIdentity, where: str) -> tuple[SlotRecord, 
 
 
 def _strict_json(blob: bytes, where: str) -> Any:
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"non-JSON constant {name}")
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out = dict(pairs)
-        if len(out) != len(pairs):
-            raise ValueError("duplicate keys")
-        return out
-
     try:
-        return json.loads(
-            blob.decode("utf-8"), parse_constant=no_constants, object_pairs_hook=no_duplicates
-        )
+        return strict_json.loads(blob)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _fail(SlotReason.MALFORMED_RECORD, where, f"not valid JSON ({exc})") from None
 

@@ -33,6 +33,7 @@ from typing import Any
 import crc32c
 import torch
 
+from lm_resiliency import _strict_json as strict_json
 from lm_resiliency._killpoints import kill_point
 from lm_resiliency.capture import Layout, populate
 from lm_resiliency.errors import StateEncodingError
@@ -289,19 +290,8 @@ def _legacy_check(head: bytes, path: str | Path) -> None:
 
 
 def _parse_json(raw: bytes, path: str | Path, what: str) -> Any:
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"non-JSON constant {name}")
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out = dict(pairs)
-        if len(out) != len(pairs):
-            raise ValueError("duplicate keys")
-        return out
-
     try:
-        return json.loads(
-            raw.decode("utf-8"), parse_constant=no_constants, object_pairs_hook=no_duplicates
-        )
+        return strict_json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise unavailable(
             _R.MALFORMED_HEADER, path, f"the {what} is not valid JSON ({exc})"
