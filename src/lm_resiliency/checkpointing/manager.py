@@ -31,14 +31,10 @@ comes from memory, not disk.
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -51,11 +47,13 @@ from lm_resiliency.checkpointing.flush import DiskFlusher, ExitFlush, FlushStats
 from lm_resiliency.checkpointing.history import History
 from lm_resiliency.checkpointing.peer import PeerReplicas, ReplicationStats
 from lm_resiliency.checkpointing.restore import RecoveryReport, Restorer
+from lm_resiliency.checkpointing.setup import describe_plan, disk_topologies, memory_tier, pairing
+from lm_resiliency.checkpointing.trust_writer import TrustWriter
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.control import ControlPlane
 from lm_resiliency.distributed import restart_count
-from lm_resiliency.errors import ConfigError, ResiliencyError, UnsafePathError
-from lm_resiliency.memory import MemoryFolder, MemoryTier
+from lm_resiliency.errors import ResiliencyError, UnsafePathError
+from lm_resiliency.memory import MemoryTier
 from lm_resiliency.persistence import (
     RecoveryVerdict,
     ShardStore,
@@ -65,13 +63,12 @@ from lm_resiliency.persistence import (
     resolve_run_id,
     topology_fingerprint,
 )
-from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence.lineage import Lineage
 from lm_resiliency.recovery.availability import Report, Source
 from lm_resiliency.recovery.fetch import FetchContext
 from lm_resiliency.recovery.mode import RecoveryMode
 from lm_resiliency.recovery.sources import DiskShards, MemorySlots, NoSource, StepSource
-from lm_resiliency.replication import PairingPlan, ReplicationChannel, resolve_jump
+from lm_resiliency.replication import ReplicationChannel
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -116,27 +113,44 @@ class InMemoryCheckpointManager:
         self._candidates: set[int] = set()
         self._persist_requested: set[int] = set()
         self._verdict: RecoveryVerdict | None = None
-        self._trust_jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmr-trust")
-        self._trust_pending: list[Future[None]] = []
         self._trust_lock = threading.Lock()
         self._last_capture: int | None = None
         self._other_topologies: list[str] = []
         """Namespaces of this run for another topology (another world size or pairing)."""
         self.control = ControlPlane(self.group, timeout_s=cfg.control_timeout_s)
         self.rank = self.control.rank
+        self._trust_writer = TrustWriter(self.rank)
         self.world_size = self.control.world_size
         with self.control.op("agree the run id"):
             self.run_id = resolve_run_id(cfg.run_id, group=self.control.group)
         self.hsdp = cfg.skip_replication_if_hsdp and hsdp_replicated
-        self.plan = self._pairing(replica_ranks)
+        self.plan = pairing(
+            self.rank,
+            self.world_size,
+            cfg.replication_jump,
+            hsdp=self.hsdp,
+            replica_ranks=replica_ranks,
+        )
         if self.rank == 0:
-            log.info("GEMINI replication: %s", self._describe_plan())
+            log.info("GEMINI replication: %s", describe_plan(self.plan, hsdp=self.hsdp))
         pairs = self.plan.table() if self.plan is not None else []
         group_fp = topology_fingerprint(list(range(self.world_size)), pairs)
         with self.control.op("agree the topology"):
             self.topology = agree_job_fingerprint(group_fp, group=self.control.group)
         self.tier = self._agreed(
-            "open the memory folders", lambda: self._memory_tier() if cfg.enable else None
+            "open the memory folders",
+            lambda: (
+                memory_tier(
+                    cfg,
+                    run_id=self.run_id,
+                    topology=self.topology,
+                    rank=self.rank,
+                    peer_owner=None if self.hsdp else self._serves_owner(),
+                    superseded=self._other_topologies,
+                )
+                if cfg.enable
+                else None
+            ),
         )
         backing: ArenaBacking = self.tier if self.tier is not None else ANONYMOUS
         channel = None
@@ -186,7 +200,8 @@ class InMemoryCheckpointManager:
             context=self._fetch_context,
             holder_of=self._holder_of,
             restarted=(restart_count() or 0) > 0,
-            other_topologies=self._other_topologies + self._disk_topologies(),
+            other_topologies=self._other_topologies
+            + disk_topologies(cfg.disk_folder, self.run_id, self.topology),
         )
         self._exit_flush = ExitFlush(
             self._flush_consistent, deadline_s=cfg.signal_flush_deadline_s, after=self._after_flush
@@ -209,78 +224,6 @@ class InMemoryCheckpointManager:
                 log.info("manager built off the main thread: no SIGTERM/SIGINT flush installed")
 
     # ------------------------------------------------------------------ construction
-    def _pairing(self, replica_ranks: Sequence[int] | None) -> PairingPlan | None:
-        """The replication plan, or in HSDP mode the plan that links replica ranks."""
-        if not self.hsdp:
-            return PairingPlan.build(
-                self.world_size, resolve_jump(self.config.replication_jump, self.world_size).jump
-            )
-        if replica_ranks is None:
-            return None
-        ranks = sorted(set(replica_ranks))
-        if self.rank not in ranks or not all(0 <= r < self.world_size for r in ranks):
-            raise ConfigError(
-                f"replica_ranks={list(replica_ranks)} must be ranks of the checkpoint group "
-                f"(0..{self.world_size - 1}) including this rank {self.rank}"
-            )
-        if len(ranks) < 2:
-            return None
-        gaps = {b - a for a, b in itertools.pairwise(ranks)}
-        jump = ranks[1] - ranks[0]
-        if len(gaps) != 1 or len(ranks) * jump != self.world_size:
-            raise ConfigError(
-                f"replica_ranks={ranks} must be evenly spaced across the whole group (the "
-                f"replicate dimension of a replicate-major mesh, e.g. [r, r + {jump}, ...] "
-                f"covering {self.world_size} ranks)"
-            )
-        return PairingPlan.build(self.world_size, jump)
-
-    def _describe_plan(self) -> str:
-        if self.hsdp:
-            return "HSDP replicas (no transfer at capture)" + (
-                f"; recovery from replica ranks via {self.plan.describe()}" if self.plan else ""
-            )
-        return self.plan.describe() if self.plan is not None else "no peer"
-
-    def _memory_tier(self) -> MemoryTier | None:
-        folder_path = self.config.memory_folder
-        if folder_path is None:
-            return None
-        try:
-            folder = MemoryFolder(
-                folder_path, run_id=self.run_id, topology=self.topology, rank=self.rank
-            )
-        except (ConfigError, OSError) as exc:
-            if self.config.memory_required:
-                raise
-            log.warning(
-                "rank %d: memory_folder %s is unusable (%s); in-memory checkpoints use process "
-                "memory and do not survive a crash of this process",
-                self.rank,
-                folder_path,
-                exc,
-            )
-            return None
-        removed = folder.remove_superseded_topologies()
-        self._other_topologies.extend(removed)
-        if removed:
-            log.info(
-                "rank %d: removed memory slots of superseded topologies %s", self.rank, removed
-            )
-        peer_owner = None
-        if self.plan is not None and self.plan.has_peer and not self.hsdp:
-            peer_owner = self.plan.recv_from(self.rank)
-        return MemoryTier(
-            folder,
-            run_id=self.run_id,
-            topology=self.topology,
-            rank=self.rank,
-            peer_owner=peer_owner,
-            verify_integrity=self.config.verify_integrity,
-            required=self.config.memory_required,
-            slots=2 if peer_owner is None else 4,
-        )
-
     def _agreed(self, what: str, fn: Callable[[], _T]) -> _T:
         """Run a local setup step on every rank; if it fails on any rank, raise on every rank.
 
@@ -333,21 +276,6 @@ class InMemoryCheckpointManager:
                 sorted(a.step for a in own),
                 sorted(a.step for a in held),
             )
-
-    def _disk_topologies(self) -> list[str]:
-        """Topology folders of this run on this node's disk other than ours, with generations."""
-        run = Path(self.config.disk_folder) / ns.run_dir(self.run_id)
-        mine = ns.topology_dir(self.topology)
-        if not run.is_dir() or run.is_symlink():
-            return []
-        return sorted(
-            p.name
-            for p in run.iterdir()
-            if ns.is_topology_dir(p.name)
-            and p.name != mine
-            and not p.is_symlink()
-            and any(ns.parse_step_dir(q.name) is not None for q in p.iterdir())
-        )
 
     def _local_lineages(self) -> list[Lineage | None]:
         found: list[Lineage | None] = []
@@ -745,7 +673,7 @@ class InMemoryCheckpointManager:
             self._channel.close()
         if self.tier is not None:
             self.tier.close(remove=finished and not self.config.keep_memory_on_close)
-        self._trust_jobs.shutdown(wait=True)
+        self._trust_writer.close()
         if self._store is not None:
             self._store.close()
         self.control.close()
@@ -847,28 +775,7 @@ class InMemoryCheckpointManager:
 
     def wait_trust(self, timeout_s: float | None = None) -> bool:
         """Block until every background trust update so far is written; False on timeout."""
-        with self._trust_lock:
-            pending = list(self._trust_pending)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for job in pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                job.result(timeout=left)
-            except FutureTimeout:
-                return False
-            except Exception:  # logged by the job itself
-                continue
-        with self._trust_lock:
-            self._trust_pending = [j for j in self._trust_pending if not j.done()]
-        return True
+        return self._trust_writer.wait(timeout_s)
 
     def _in_background(self, job: Callable[[], object], what: str) -> None:
-        def run() -> None:
-            try:
-                job()
-            except Exception as exc:  # a failed trust write never stops training; logged
-                log.warning("rank %d: writing trust record (%s) failed: %s", self.rank, what, exc)
-                raise
-
-        with self._trust_lock:
-            self._trust_pending.append(self._trust_jobs.submit(run))
+        self._trust_writer.submit(job, what)
