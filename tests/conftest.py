@@ -28,10 +28,27 @@ def _isolated_cwd(
     return cwd
 
 
-@pytest.fixture(autouse=True)
-def _isolated_memory_folder(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def _fresh_memory_folder(prefix: str) -> Path:
     base = _SHM if _SHM.is_dir() else Path(tempfile.gettempdir())
-    folder = Path(tempfile.mkdtemp(prefix="lmr-test-shm-", dir=base))
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_memory_folder() -> Iterator[Path]:
+    """What module- and session-scoped fixtures (set up before any test's own folder) use,
+    instead of the machine's real /dev/shm/lm-resiliency."""
+    folder = _fresh_memory_folder("lmr-test-session-shm-")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LM_RESILIENCY_MEMORY_FOLDER", str(folder / "lm-resiliency"))
+        yield folder / "lm-resiliency"
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_memory_folder(
+    monkeypatch: pytest.MonkeyPatch, _session_memory_folder: Path
+) -> Iterator[Path]:
+    folder = _fresh_memory_folder("lmr-test-shm-")
     monkeypatch.setenv("LM_RESILIENCY_MEMORY_FOLDER", str(folder / "lm-resiliency"))
     yield folder / "lm-resiliency"
     shutil.rmtree(folder, ignore_errors=True)
