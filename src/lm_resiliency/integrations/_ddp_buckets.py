@@ -56,7 +56,13 @@ from lm_resiliency.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReadyOrder", "check_replayable", "reducer_params", "replay_ready_order"]
+__all__ = [
+    "ReadyOrder",
+    "check_replayable",
+    "reducer_params",
+    "replay_ready_order",
+    "restore_grads",
+]
 
 
 def reducer_params(ddp: DistributedDataParallel) -> list[torch.nn.Parameter]:
@@ -173,13 +179,18 @@ def replay_ready_order(ddp: DistributedDataParallel, order: Sequence[int]) -> bo
                 p = params[i]
                 torch.autograd.backward(p, torch.zeros_like(p))
     finally:
-        with torch.no_grad():
-            for p, g in zip(params, saved, strict=True):
-                if g is None:
-                    p.grad = None
-                elif p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.copy_(g)  # in place: the grad may be a view into a DDP bucket
+        restore_grads(params, saved)
     log.debug("replayed DDP gradient-ready order over %d parameters", len(params))
     return True
+
+
+def restore_grads(params: Sequence[torch.Tensor], saved: Sequence[torch.Tensor | None]) -> None:
+    """Put back each parameter's gradient as ``saved`` (a clone taken before) held it."""
+    with torch.no_grad():
+        for p, g in zip(params, saved, strict=True):
+            if g is None:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)  # in place: the grad may be a view into a DDP bucket

@@ -20,7 +20,13 @@ import torch
 
 from lm_resiliency.errors import ConfigError
 
-__all__ = ["capture_hparams", "capture_state", "restore_hparams", "restore_state"]
+__all__ = [
+    "capture_hparams",
+    "capture_state",
+    "check_layout",
+    "restore_hparams",
+    "restore_state",
+]
 
 
 def capture_state(
@@ -114,3 +120,15 @@ def restore_hparams(
         for key, value in saved.items():
             if key not in _NOT_HPARAMS:
                 group[key] = value
+
+
+def check_layout(saved: dict[str, Any], live: dict[str, Any], *, what: str, advice: str) -> None:
+    """``ConfigError`` naming every key of ``live`` whose captured value differs.
+
+    The optimizer shards a framework captures are only meaningful under the
+    partitioning they were cut for; ``advice`` says how to restore instead.
+    """
+    changed = {k: (saved.get(k), v) for k, v in live.items() if saved.get(k) != v}
+    if changed:
+        detail = ", ".join(f"{k}: captured {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        raise ConfigError(f"{what} state was captured under another layout ({detail}); {advice}")

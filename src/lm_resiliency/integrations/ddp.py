@@ -43,6 +43,7 @@ from lm_resiliency.integrations._ddp_buckets import (
     needs_replay,
     reducer_params,
     replay_ready_order,
+    restore_grads,
 )
 from lm_resiliency.integrations.base import ParallelLayout
 from lm_resiliency.integrations.module import ModuleAdapter
@@ -171,14 +172,8 @@ def prime_ddp_buckets(
                 )
             loss.backward()
     finally:
+        restore_grads(params, grads)
         with torch.no_grad():
-            for p, g in zip(params, grads, strict=True):
-                if g is None:
-                    p.grad = None
-                elif p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.copy_(g)  # in place: the grad may be a view into a DDP bucket
             for b, saved in zip(model.buffers(), buffers, strict=True):
                 b.copy_(saved)
         torch.set_rng_state(cpu_rng)

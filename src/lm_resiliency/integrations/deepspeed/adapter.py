@@ -40,6 +40,7 @@ from lm_resiliency.integrations._inner_hooks import bind_deferred_steps
 from lm_resiliency.integrations._optim_state import (
     capture_hparams,
     capture_state,
+    check_layout,
     restore_hparams,
     restore_state,
 )
@@ -132,15 +133,13 @@ class DeepSpeedAdapter(AdapterBase):
         view.rederive()
 
     def _check_identity(self, saved: dict[str, Any]) -> None:
-        live = self._identity()
-        changed = {k: (saved.get(k), v) for k, v in live.items() if saved.get(k) != v}
-        if changed:
-            detail = ", ".join(f"{k}: captured {a!r}, now {b!r}" for k, (a, b) in changed.items())
-            raise ConfigError(
-                f"DeepSpeed state was captured under another layout ({detail}); restore "
-                "with the same ZeRO stage, data-parallel world size and model, or resume "
-                "from DeepSpeed's own checkpoint (universal checkpoints re-partition)"
-            )
+        check_layout(
+            saved,
+            self._identity(),
+            what="DeepSpeed",
+            advice="restore with the same ZeRO stage, data-parallel world size and model, or "
+            "resume from DeepSpeed's own checkpoint (universal checkpoints re-partition)",
+        )
 
     def parallel_layout(self) -> ParallelLayout:
         # Every data-parallel rank owns a different partition: no natural replicas; the

@@ -32,6 +32,7 @@ from lm_resiliency.integrations._inner_hooks import bind_deferred_steps
 from lm_resiliency.integrations._optim_state import (
     capture_hparams,
     capture_state,
+    check_layout,
     restore_hparams,
     restore_state,
 )
@@ -127,15 +128,13 @@ class MegatronAdapter(AdapterBase):
         tracker.set_states({k: v.clone() for k, v in state["rng_tracker"].items()})
 
     def _check_identity(self, saved: dict[str, Any]) -> None:
-        live = self._identity()
-        changed = {k: (saved.get(k), v) for k, v in live.items() if saved.get(k) != v}
-        if changed:
-            detail = ", ".join(f"{k}: captured {a!r}, now {b!r}" for k, (a, b) in changed.items())
-            raise ConfigError(
-                f"Megatron state was captured under another layout ({detail}); restore with "
-                "the same tensor/pipeline/data-parallel sizes and model, or resume from a "
-                "dist_checkpointing checkpoint (it re-shards)"
-            )
+        check_layout(
+            saved,
+            self._identity(),
+            what="Megatron",
+            advice="restore with the same tensor/pipeline/data-parallel sizes and model, or "
+            "resume from a dist_checkpointing checkpoint (it re-shards)",
+        )
 
     def parallel_layout(self) -> ParallelLayout:
         from megatron.core import parallel_state as ps
