@@ -11,6 +11,7 @@ from torch import nn
 from lm_resiliency import CaptureError, ConfigError, InMemoryCkptConfig, StateEncodingError
 from lm_resiliency.capture.slot import Slot, SlotState
 from lm_resiliency.experimental import InMemoryCheckpointManager
+from lm_resiliency.state import Deferred
 
 
 def _model() -> nn.Module:
@@ -264,3 +265,33 @@ def test_loaded_rng_state_can_be_restored_directly() -> None:
         torch.set_rng_state(state["rng"])
         assert torch.equal(torch.rand(8), expected)
         assert torch.equal(state["big"], big)
+
+
+def test_deferred_walk_error_surfaces_unwrapped_on_the_next_call() -> None:
+    # After the first capture, Deferred subtrees (enable_resiliency's model and optimizer
+    # state) are walked by the worker: a bad value there comes out of the next call as the
+    # StateEncodingError it is, with its key path and the step; the older step is kept.
+    with InMemoryCheckpointManager() as manager:
+        manager.save({"adapter": Deferred({"t": torch.ones(3)}), "n": 1}, 1)
+        manager.maybe_wait()
+        manager.save({"adapter": Deferred({"t": torch.ones(3), "fn": print}), "n": 2}, 2)
+        with pytest.raises(StateEncodingError) as info:
+            manager.maybe_wait()
+        assert "adapter/fn" in str(info.value)
+        assert "step 2" in " ".join(getattr(info.value, "__notes__", []))
+        assert manager.find_latest() == 1
+        manager.save({"adapter": Deferred({"t": torch.full((3,), 7.0)}), "n": 3}, 3)
+        manager.maybe_wait()
+        assert manager.find_latest() == 3
+        assert torch.equal(manager.load(3)["adapter"]["t"], torch.full((3,), 7.0))
+        assert torch.equal(manager.load(1)["adapter"]["t"], torch.ones(3))
+
+
+def test_slot_views_are_built_once_per_arena_and_layout() -> None:
+    with InMemoryCheckpointManager() as manager:
+        for step in (1, 2, 3):
+            manager.save({"t": torch.full((4,), float(step))}, step)
+            manager.maybe_wait()
+        slot = manager._engine.slots[0]
+        assert slot.views() is slot.views()
+        assert torch.equal(manager.load(3)["t"], torch.full((4,), 3.0))

@@ -21,7 +21,9 @@ from lm_resiliency.errors import ConfigError, StateEncodingError, StateSchemaErr
 from lm_resiliency.state import (
     DEFAULT_LIMITS,
     SCHEMA_VERSION,
+    Deferred,
     Limits,
+    begin_encoding,
     decode_state,
     dumps_document,
     encode_state,
@@ -515,3 +517,36 @@ def test_loads_document_rejects_non_json_text() -> None:
         loads_document('{"schema": "x"}', limits=Limits(max_bytes=10))
     with pytest.raises(StateSchemaError, match="not valid JSON"):
         loads_document("[" * 100_000 + "]" * 100_000)
+
+
+def test_deferred_subtree_walked_later_decodes_to_the_same_tree() -> None:
+    model = nn.Linear(4, 3)
+    shared = model.weight.detach()
+    tree = {
+        "adapter": {"model": model.state_dict(), "tied": shared, "step": 3},
+        "rank": {"rng": torch.get_rng_state(), "alias": model.weight.detach()},
+    }
+    partial = begin_encoding({"adapter": Deferred(tree["adapter"]), "rank": tree["rank"]})
+    # the part walked now comes first; the alias in the deferred part resolves to it
+    enc = partial.finish()
+    assert enc.names[:2] == ["rank/rng", "rank/alias"]
+    assert len(enc.tensors) == 3  # rng, weight (three references), bias
+    validate_document(json.loads(json.dumps(enc.document)))
+    out = decode_state(enc.document, enc.tensors)
+    assert_same(out, tree)
+    assert out["adapter"]["tied"] is out["rank"]["alias"]
+    # encode_state walks a Deferred at once: same tree
+    assert_same(
+        decode_state(*_parts(encode_state({"adapter": Deferred(tree["adapter"])}))),
+        {"adapter": tree["adapter"]},
+    )
+
+
+def _parts(enc: Any) -> tuple[Any, Any]:
+    return enc.document, enc.tensors
+
+
+def test_deferred_subtree_error_names_its_key_path_when_finished() -> None:
+    partial = begin_encoding({"adapter": Deferred({"hooks": {"fn": print}}), "ok": 1})
+    with pytest.raises(StateEncodingError, match="adapter/hooks/fn"):
+        partial.finish()

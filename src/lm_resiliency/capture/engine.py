@@ -39,7 +39,7 @@ from lm_resiliency.capture.layout import Layout
 from lm_resiliency.capture.slot import ANONYMOUS, ArenaBacking, ArenaHandle, Slot
 from lm_resiliency.errors import CaptureError
 from lm_resiliency.knobs import HOST_COPY_PIECE_BYTES
-from lm_resiliency.state import EncodedState, encode_state
+from lm_resiliency.state import EncodedState, PartialEncoding, begin_encoding, encode_state
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,12 @@ class CaptureStats:
 class _Cycle:
     step: int
     slot: Slot
-    layout: Layout
-    encoded: EncodedState
+    layout: Layout | None
+    encoded: EncodedState | None
     ready: dict[torch.device, Any]  # device -> torch.cuda.Event recorded in save()
     start: float
+    partial: PartialEncoding | None = None
+    """Set when the walk of the tree's deferred parts is left to the worker."""
     captured: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -143,6 +145,7 @@ class CaptureEngine:
         self.stats = CaptureStats()
         self._layout: Layout | None = None
         self._layout_key: tuple[Any, ...] | None = None
+        self._devices: set[torch.device] = set()  # accelerators of the latest layout's tensors
         self._cycle: _Cycle | None = None
         self._pending_error: BaseException | None = None
         self._jobs: list[_Cycle] = []
@@ -173,7 +176,17 @@ class CaptureEngine:
         """
         t0 = time.perf_counter()
         self._finish_previous()
-        self._launch(encode_state(state), step, t0, persisted=True)
+        if self._layout is None:
+            # The first capture is encoded here, so its errors are raised by this call.
+            self._launch(encode_state(state), step, t0, persisted=True)
+            return
+        # Later ones leave the walk of Deferred subtrees (model and optimizer state) to the
+        # worker; what it raises (an unsupported value, no room for a new layout) comes out
+        # of the next call on this thread, unwrapped.
+        partial = begin_encoding(state)
+        slot = self._rotate()
+        ready = self._record_ready_on(self._devices)
+        self._submit(_Cycle(step, slot, None, None, ready, t0, partial))
 
     def capture_tensors(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int
@@ -195,13 +208,15 @@ class CaptureEngine:
         # every source tensor until its copy completed, so the caching allocator cannot
         # hand a source's memory to new work even if the caller drops it right away.
         ready = self._record_ready(encoded.tensors)
-        cycle = _Cycle(step, slot, layout, encoded, ready, t0)
+        self._submit(_Cycle(step, slot, layout, encoded, ready, t0))
+
+    def _submit(self, cycle: _Cycle) -> None:
         with self._cv:
             self._cycle = cycle
             self._jobs.append(cycle)
             self._cv.notify()
         self.stats.captures += 1
-        self.stats.save_s.append(time.perf_counter() - t0)
+        self.stats.save_s.append(time.perf_counter() - cycle.start)
 
     def wait_captured(self) -> None:
         """Block until the in-flight capture's bytes are complete and its follow-up started.
@@ -290,6 +305,7 @@ class CaptureEngine:
             if self._plan_arenas is not None:
                 self._plan_arenas(new.total_bytes)
             self._layout, self._layout_key = new, key
+            self._devices = {t.device for t in encoded.tensors if t.device.type == "cuda"}
         return self._layout
 
     def _rotate(self) -> Slot:
@@ -302,15 +318,33 @@ class CaptureEngine:
 
     @staticmethod
     def _record_ready(tensors: list[torch.Tensor]) -> dict[torch.device, Any]:
-        ready: dict[torch.device, Any] = {}
         if not _CUDA:  # no device tensors can exist: skip the per-tensor scan
-            return ready
-        for t in tensors:
-            if t.device.type == "cuda" and t.device not in ready:
+            return {}
+        return CaptureEngine._record_ready_on({t.device for t in tensors})
+
+    @staticmethod
+    def _record_ready_on(devices: set[torch.device]) -> dict[torch.device, Any]:
+        ready: dict[torch.device, Any] = {}
+        for device in devices:
+            if device.type == "cuda":
                 event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(t.device))
-                ready[t.device] = event
+                event.record(torch.cuda.current_stream(device))
+                ready[device] = event
         return ready
+
+    def _finish_encoding(self, cycle: _Cycle) -> tuple[Layout, EncodedState]:
+        """Worker: walk the deferred parts and lay them out (the caller's thread did the rest)."""
+        assert cycle.partial is not None
+        encoded = cycle.partial.finish()
+        cycle.partial = None
+        layout = self._layout_for(encoded, persisted=True)
+        for device in {t.device for t in encoded.tensors if t.device.type == "cuda"}:
+            if device not in cycle.ready:
+                # A device the previous layout did not use: no event was recorded on its
+                # stream at the boundary, so wait for everything queued on it instead.
+                torch.cuda.synchronize(device)
+        cycle.layout, cycle.encoded = layout, encoded
+        return layout, encoded
 
     def _launch_device(
         self, cycle: _Cycle, pairs: list[tuple[torch.Tensor, torch.Tensor]]
@@ -346,11 +380,25 @@ class CaptureEngine:
     def _run_cycle(self, cycle: _Cycle) -> None:
         # no_grad: copying a parameter that requires grad must not record autograd history.
         slot = cycle.slot
+        if cycle.partial is not None:
+            try:
+                layout, encoded = self._finish_encoding(cycle)
+            except BaseException as exc:  # raised as it is on the caller's next call
+                slot.invalidate()
+                self.stats.failures += 1
+                exc.add_note(f"(rank {self.rank}: while encoding the capture of step {cycle.step})")
+                self._pending_error = exc
+                cycle.captured.set()
+                cycle.finished.set()
+                return
+        else:
+            assert cycle.layout is not None and cycle.encoded is not None
+            layout, encoded = cycle.layout, cycle.encoded
         try:
             t0 = time.perf_counter()
-            if slot.prepare(cycle.layout, pin=self.pin_memory):
+            if slot.prepare(layout, pin=self.pin_memory):
                 self.stats.allocations += 1
-            pairs = list(zip(slot.views(), cycle.encoded.tensors, strict=True))
+            pairs = list(zip(slot.views(), encoded.tensors, strict=True))
             if cycle.ready:
                 # Device copies are enqueued first; host copies overlap them.
                 on_dev = [p for p in pairs if p[1].device.type == "cuda"]
@@ -361,7 +409,7 @@ class CaptureEngine:
             else:
                 self._copy_host(pairs)
             self.stats.copy_s.append(time.perf_counter() - t0)
-            slot.publish(cycle.step, cycle.encoded.document, self.rank)
+            slot.publish(cycle.step, encoded.document, self.rank)
         except BaseException as exc:  # recorded and raised on the caller's next call
             slot.invalidate()
             self.stats.failures += 1

@@ -94,15 +94,22 @@ class Layout:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready description (for wire headers and file metadata)."""
-        return {
-            "digest": self.digest,
-            "total_bytes": self.total_bytes,
-            "tensors": [
-                [s.index, s.name, dtype_name(s.dtype), list(s.shape), s.offset_bytes, s.nbytes]
-                for s in self.specs
-            ],
-        }
+        """A JSON-ready description (for wire headers and file metadata); do not mutate it.
+
+        Built once per layout: every capture's commit record and wire header carry it.
+        """
+        cached: dict[str, Any] | None = self.__dict__.get("_json")
+        if cached is None:
+            cached = {
+                "digest": self.digest,
+                "total_bytes": self.total_bytes,
+                "tensors": [
+                    [s.index, s.name, dtype_name(s.dtype), list(s.shape), s.offset_bytes, s.nbytes]
+                    for s in self.specs
+                ],
+            }
+            object.__setattr__(self, "_json", cached)  # frozen: a cache, not a field
+        return cached
 
     @classmethod
     def from_json(cls, doc: Any) -> Layout:

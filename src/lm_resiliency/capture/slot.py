@@ -142,6 +142,10 @@ class Slot:
     state: SlotState = SlotState.EMPTY
     _readers: int = 0
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _views: tuple[torch.Tensor, Layout, list[torch.Tensor]] | None = field(
+        default=None, repr=False, compare=False
+    )
+    """The tensor views of the current arena under the current layout (built once)."""
 
     @property
     def arena(self) -> torch.Tensor | None:
@@ -170,6 +174,7 @@ class Slot:
         handle = self.handle
         realloc = handle is None or handle.arena.numel() != layout.total_bytes
         if realloc:
+            self._views = None
             if handle is not None:
                 self.handle = None
                 handle.discard()  # free the old arena before the new one is allocated
@@ -180,9 +185,15 @@ class Slot:
         return realloc
 
     def views(self) -> list[torch.Tensor]:
-        arena = self.arena
-        assert arena is not None and self.layout is not None, f"slot {self.name} is empty"
-        return self.layout.views(arena)
+        """Tensor views of the arena, one per state tensor; reused while arena and layout stay."""
+        arena, layout = self.arena, self.layout
+        assert arena is not None and layout is not None, f"slot {self.name} is empty"
+        cached = self._views
+        if cached is not None and cached[0] is arena and cached[1] is layout:
+            return cached[2]
+        views = layout.views(arena)
+        self._views = (arena, layout, views)
+        return views
 
     def publish(self, step: int, document: dict[str, Any], owner_rank: int) -> None:
         """Mark the slot complete for ``step`` (call only after every byte arrived)."""
@@ -208,6 +219,7 @@ class Slot:
         with self._cond:
             self._cond.wait_for(lambda: self._readers == 0)
             old, self.handle = self.handle, handle
+            self._views = None
             self.layout, self.step, self.document = layout, step, document
             self.owner_rank, self.timeline = owner_rank, timeline
             self.state = SlotState.CAPTURED
@@ -242,6 +254,7 @@ class Slot:
             self.state = SlotState.EMPTY
             self.step = None
             handle, self.handle = self.handle, None
+            self._views = None
             self.layout = None
             self.document = None
         if handle is not None:
@@ -264,6 +277,7 @@ class Slot:
             self.state = SlotState.EMPTY
             self.step = None
             self.handle = None
+            self._views = None
             self.layout = None
             self.document = None
         return layout, handle.hand_over(), document

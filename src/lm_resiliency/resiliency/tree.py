@@ -24,6 +24,7 @@ from lm_resiliency.integrations.base import Adapter, ParallelLayout
 from lm_resiliency.resiliency._collective import all_gather_trees
 from lm_resiliency.resiliency.objects import StateObjects
 from lm_resiliency.resiliency.rng import capture_rng, restore_rng
+from lm_resiliency.state import Deferred
 
 __all__ = ["FORMAT", "CaptureTree"]
 
@@ -62,7 +63,9 @@ class CaptureTree:
             "format": FORMAT,
             "framework": self._adapter.framework,
             "step": step,
-            "adapter": self._adapter.state_dict(),
+            # The adapter's state_dict() snapshots its values now; walking its (large,
+            # tensor-heavy) tree is left to the capture worker (see state.Deferred).
+            "adapter": Deferred(self._adapter.state_dict()),
         }
         mine = self.per_rank()
         if self._layout.replica_group is None:

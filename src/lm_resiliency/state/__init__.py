@@ -9,7 +9,14 @@ malformed. See ``docs/state-format.md`` for the document schema.
 
 from __future__ import annotations
 
-from lm_resiliency.state.codec import EncodedState, decode_state, encode_state
+from lm_resiliency.state.codec import (
+    Deferred,
+    EncodedState,
+    PartialEncoding,
+    begin_encoding,
+    decode_state,
+    encode_state,
+)
 from lm_resiliency.state.limits import DEFAULT_LIMITS, Limits
 from lm_resiliency.state.schema import (
     SCHEMA_VERSION,
@@ -21,8 +28,11 @@ from lm_resiliency.state.schema import (
 __all__ = [
     "DEFAULT_LIMITS",
     "SCHEMA_VERSION",
+    "Deferred",
     "EncodedState",
     "Limits",
+    "PartialEncoding",
+    "begin_encoding",
     "decode_state",
     "dumps_document",
     "encode_state",

@@ -63,6 +63,44 @@ class EncodedState:
     names: list[str]
 
 
+class Deferred:
+    """Marks a dict subtree whose walk :func:`begin_encoding` may leave for later.
+
+    For subtrees whose non-tensor values are already a snapshot (fresh dicts
+    of immutable values, as ``state_dict()`` methods build) and whose tensors
+    keep their shape until the capture's copy is done: walking them later, on
+    another thread, reads the same thing. :func:`encode_state` walks it at once.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Mapping[Any, Any]) -> None:
+        self.value = value
+
+
+class PartialEncoding:
+    """A tree encoded except for its :class:`Deferred` subtrees; :meth:`finish` walks them.
+
+    ``finish`` may run on another thread (once); it raises ``StateEncodingError``
+    like :func:`encode_state` would have.
+    """
+
+    def __init__(self, enc: _Encoder, root: Any) -> None:
+        self._enc = enc
+        self._root = root
+
+    def finish(self) -> EncodedState:
+        enc = self._enc
+        holes, enc.holes = enc.holes, []
+        enc.defer = False
+        for node, value, pre, depth in holes:
+            filled = enc.value(value, pre, depth)
+            if not isinstance(filled, dict):
+                raise TypeError(f"Deferred at {_where(pre)!r} must wrap a dict")
+            node.update(filled)
+        return _document(enc, self._root)
+
+
 def encode_state(tree: Any, *, limits: Limits = DEFAULT_LIMITS) -> EncodedState:
     """Flatten ``tree`` (nested dict/list/tuple of tensors and plain values).
 
@@ -72,7 +110,22 @@ def encode_state(tree: Any, *, limits: Limits = DEFAULT_LIMITS) -> EncodedState:
     is not supported or the tree exceeds ``limits``.
     """
     enc = _Encoder(limits)
-    root = enc.value(tree, "", 0)
+    return _document(enc, enc.value(tree, "", 0))
+
+
+def begin_encoding(tree: Any, *, limits: Limits = DEFAULT_LIMITS) -> PartialEncoding:
+    """Encode ``tree`` now except its :class:`Deferred` subtrees (walked by ``finish()``).
+
+    The tensors of the part walked now come first in the tensor list; an alias
+    met later (tied weights) still resolves to the first entry.
+    """
+    enc = _Encoder(limits)
+    enc.defer = True
+    return PartialEncoding(enc, enc.value(tree, "", 0))
+
+
+def _document(enc: _Encoder, root: Any) -> EncodedState:
+    limits = enc.limits
     doc = {"schema": SCHEMA_VERSION, "tensor_count": len(enc.tensors), "root": root}
     if enc.items * _ITEM_JSON_BOUND + enc.extra_bytes > limits.max_bytes:
         # Rare: only states near the limit pay for the exact measurement.
@@ -126,6 +179,8 @@ class _Encoder:
         # (data_ptr, dtype, shape, stride, offset, device) -> index, so tied weights
         # (distinct detach() views of one parameter) share one entry; id() otherwise.
         self.by_key: dict[Any, int] = {}
+        self.defer = False
+        self.holes: list[tuple[dict[str, Any], Any, str, int]] = []
 
     # -- errors and limits -------------------------------------------------
     def fail(self, pre: str, problem: str) -> NoReturn:
@@ -388,6 +443,13 @@ class _Encoder:
             "hex": self.blob(x.tobytes()[: x.dtype.itemsize].hex(), pre, "NumPy scalar"),
         }
 
+    def deferred(self, x: Deferred, pre: str, depth: int) -> Any:
+        if not self.defer:
+            return self.value(x.value, pre, depth)
+        node: dict[str, Any] = {}
+        self.holes.append((node, x.value, pre, depth))
+        return node
+
     def bytes_(self, x: bytes, pre: str, depth: int) -> Any:
         return {"k": "bytes", "b64": self.blob(base64.b64encode(x).decode("ascii"), pre, "bytes")}
 
@@ -455,4 +517,5 @@ _HANDLERS: dict[type, Callable[[_Encoder, Any, str, int], Any]] = {
     torch.device: _Encoder.device,
     torch.Size: _Encoder.size,
     np.ndarray: _Encoder.ndarray,
+    Deferred: _Encoder.deferred,
 }
