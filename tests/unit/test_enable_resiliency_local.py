@@ -184,3 +184,32 @@ def test_a_grad_scaler_is_restored_with_the_update_its_captured_step_was_missing
         StateObjects({"scaler": restored}).load({"scaler": captured})
         assert restored.state_dict() == scaler.state_dict()
     assert scaler.get_scale() != 3.0  # the growth step was exercised
+
+
+def _bn_model() -> nn.Module:
+    # Large weights first: their copy is still running when the next forward starts.
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4)), nn.BatchNorm1d(1024))
+
+
+def test_buffers_the_next_forward_updates_in_place_are_captured_at_their_step() -> None:
+    # BatchNorm's running statistics change inside the next forward, before the
+    # optimizer step the capture's wait hangs off: the plain loop's capture of step N
+    # must still hold step N's statistics (they are copied first, and a forward
+    # pre-hook waits for that copy).
+    model = _bn_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    bn = model[4]
+    with enable_resiliency(model, opt, interval=1) as resiliency:
+        for step in range(1, 9):
+            model(torch.randn(4, 1024)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            expected = (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
+            model(torch.randn(4, 1024)).sum().backward()  # the next step's forward/backward
+            resiliency.manager.maybe_wait()
+            saved = resiliency.manager.load(step)["adapter"]["model"]
+            assert torch.equal(saved["4.running_mean"], expected[0]), step
+            assert torch.equal(saved["4.running_var"], expected[1]), step
+            assert int(saved["4.num_batches_tracked"]) == expected[2], step
+            opt.zero_grad()

@@ -149,6 +149,9 @@ class HFAdapter(AdapterBase):
     def modules(self) -> Sequence[torch.nn.Module]:
         return [self.model]
 
+    def forward_modules(self) -> Sequence[torch.nn.Module]:
+        return [self.ddp] if self.ddp is not None else [self.model]
+
 
 def _length(dataloader: Any) -> int | None:
     try:
