@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_models import sharded_mlp as _model
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from lm_resiliency import ConfigError, InMemoryCkptConfig, enable_resiliency
 from lm_resiliency.integrations.fsdp import FSDPAdapter
@@ -28,23 +28,6 @@ from lm_resiliency.state import decode_state, encode_state
 from lm_resiliency.testing import kill_point, run_distributed
 
 _INTERVAL, _CRASH_AFTER, _STEPS = 3, 7, 11
-
-
-def _model(mesh: Any) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Embedding(32, 16),
-        nn.Flatten(),
-        nn.Linear(16 * 8, 40),  # 40 rows: uneven shards on 3+ ranks are covered too
-        nn.GELU(),
-        nn.Dropout(0.1),
-        nn.Linear(40, 32 * 8),
-    )
-    for layer in model:
-        if isinstance(layer, (nn.Linear, nn.Embedding)):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def _mesh(kind: str, world: int) -> Any:

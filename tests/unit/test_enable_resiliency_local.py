@@ -205,7 +205,11 @@ def test_buffers_the_next_forward_updates_in_place_are_captured_at_their_step() 
             model(torch.randn(4, 1024)).sum().backward()
             opt.step()
             opt.zero_grad()
-            expected = (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
+            expected = (
+                bn.running_mean.clone(),
+                bn.running_var.clone(),
+                int(bn.num_batches_tracked),
+            )
             model(torch.randn(4, 1024)).sum().backward()  # the next step's forward/backward
             resiliency.manager.maybe_wait()
             saved = resiliency.manager.load(step)["adapter"]["model"]

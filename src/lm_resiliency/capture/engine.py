@@ -414,13 +414,8 @@ class CaptureEngine:
             try:
                 layout, encoded = self._finish_encoding(cycle)
             except BaseException as exc:  # raised as it is on the caller's next call
-                slot.invalidate()
-                self.stats.failures += 1
                 exc.add_note(f"(rank {self.rank}: while encoding the capture of step {cycle.step})")
-                self._pending_error = exc
-                cycle.first_done.set()
-                cycle.captured.set()
-                cycle.finished.set()
+                self._fail(cycle, exc)
                 return
         else:
             assert cycle.layout is not None and cycle.encoded is not None
@@ -440,14 +435,9 @@ class CaptureEngine:
             self.stats.copy_s.append(time.perf_counter() - t0)
             slot.publish(cycle.step, encoded.document, self.rank)
         except BaseException as exc:  # recorded and raised on the caller's next call
-            slot.invalidate()
-            self.stats.failures += 1
             err = CaptureError(f"rank {self.rank}: capture of step {cycle.step} failed: {exc!r}")
             err.__cause__ = exc
-            self._pending_error = err
-            cycle.first_done.set()
-            cycle.captured.set()
-            cycle.finished.set()
+            self._fail(cycle, err)
             return
         try:
             if self.after_capture is not None:
@@ -463,6 +453,15 @@ class CaptureEngine:
         finally:
             cycle.captured.set()
             cycle.finished.set()
+
+    def _fail(self, cycle: _Cycle, err: BaseException) -> None:
+        """Worker: the cycle failed; its slot is never exposed, ``err`` is raised next call."""
+        cycle.slot.invalidate()
+        self.stats.failures += 1
+        self._pending_error = err
+        cycle.first_done.set()
+        cycle.captured.set()
+        cycle.finished.set()
 
     def _copy_pairs(
         self, cycle: _Cycle, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, first: bool = False
