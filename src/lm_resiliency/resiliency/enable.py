@@ -195,7 +195,10 @@ def _manager_params() -> set[str]:
 
 def buffer_pointers(modules: Sequence[torch.nn.Module]) -> frozenset[int]:
     """Storage pointers of the modules' buffers (what a forward may modify in place)."""
-    return frozenset(b.data_ptr() for m in modules for b in m.buffers() if b.numel())
+    # nn.Module's method, not the instance's: Megatron's DistributedDataParallel keeps its
+    # grad/param buffers in an attribute named ``buffers`` that shadows the method.
+    own = torch.nn.Module.buffers
+    return frozenset(b.data_ptr() for m in modules for b in own(m) if b.numel())
 
 
 def bind_forward(
