@@ -1,7 +1,12 @@
 """64-bit digests of tensors: equal digests for bit-identical tensors, any single flipped bit
 changes the digest.
 
-On the CPU the raw bytes are hashed with BLAKE2b. On an accelerator the bytes
+On the CPU the raw bytes go through two CRC-32s with different polynomials
+(CRC-32C, hardware-accelerated, and zlib's CRC-32), concatenated to 64 bits:
+both detect every error burst up to 32 bits, and a random corruption escapes
+both with probability about 2**-64; they run at several GB/s where BLAKE2b
+managed under 1 (SDC is not an adversary, so no cryptographic hash is needed).
+Shapes and dtypes go through the same two CRCs. On an accelerator the bytes
 never leave the device: the tensor is viewed as 32-bit (or 16/8-bit) words, each
 word is split into 16-bit halves, and every half is multiplied by an odd
 position-dependent weight and summed in int64. Integer sums are exact and
@@ -15,8 +20,10 @@ Peers always use the same path (they run on the same device type).
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Iterable
 
+import crc32c
 import torch
 
 _CHUNK = 1 << 22
@@ -54,7 +61,7 @@ def digest_tensors(tensors: Iterable[torch.Tensor | None]) -> int:
     type; accelerator tensors are reduced on the device (see the module docstring).
     A ``DTensor`` contributes its local shard.
     """
-    h = hashlib.blake2b(digest_size=8)
+    h = _Crc64()
     device_sums: list[torch.Tensor] = []
     for item in tensors:
         if item is None:
@@ -71,7 +78,21 @@ def digest_tensors(tensors: Iterable[torch.Tensor | None]) -> int:
     if device_sums:
         host = torch.stack(device_sums).cpu()
         h.update(host.numpy().data)
-    return int.from_bytes(h.digest(), "little")
+    return h.value()
+
+
+class _Crc64:
+    """CRC-32C and zlib's CRC-32 of the same byte stream, as one 64-bit value."""
+
+    def __init__(self) -> None:
+        self._c, self._z = 0, 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._c = crc32c.crc32c(data, self._c)
+        self._z = zlib.crc32(data, self._z)
+
+    def value(self) -> int:
+        return (self._c << 32) | self._z
 
 
 def device_digest_for_test(t: torch.Tensor) -> int:
