@@ -80,6 +80,7 @@ def main() -> int:
         "source": info.source,
         "sources": list(info.sources) if info.sources else None,
         "trainer_step": int(trainer.step),
+        "dcp_steps": _dcp_steps(args.run_dir / "dump" / "checkpoint"),
     }
     fw_worker.report(args, rank, **fields)
     first: dict[str, int] = {}
@@ -109,6 +110,12 @@ def main() -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _dcp_steps(folder: Path) -> list[int]:
+    """The steps of TorchTitan's complete DCP checkpoints in ``folder``."""
+    done = [p for p in folder.glob("step-*") if (p / ".metadata").is_file()]
+    return sorted(int(p.name.split("-")[1]) for p in done)
 
 
 def _loader_state(trainer: object) -> object:
