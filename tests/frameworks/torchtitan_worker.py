@@ -81,6 +81,9 @@ def main() -> int:
         "sources": list(info.sources) if info.sources else None,
         "trainer_step": int(trainer.step),
         "dcp_steps": _dcp_steps(args.run_dir / "dump" / "checkpoint"),
+        "replica_ranks": handle.adapter.parallel_layout().replica_ranks,
+        "inner": handle.adapter.fsdp.framework,
+        "slots": sorted(handle.manager.slots()),
     }
     fw_worker.report(args, rank, **fields)
     first: dict[str, int] = {}
