@@ -215,11 +215,12 @@ def check_supported(trainer: Any) -> None:
             "data_parallel_shard_degree and HSDP data_parallel_replicate_degree only); set the "
             "tensor/context/expert parallel degrees to 1"
         )
-    if dims.world_size > 1 and not dims.fsdp_enabled:
+    if not dims.fsdp_enabled:
         raise ConfigError(
-            f"TorchTitan data parallelism without sharding (dp_replicate={dims.dp_replicate}, "
-            f"dp_shard={dims.dp_shard}) is not supported by enable_resiliency; use "
-            "data_parallel_shard_degree > 1 (FSDP2/HSDP)"
+            f"TorchTitan without FSDP2 sharding (world_size={dims.world_size}, "
+            f"dp_replicate={dims.dp_replicate}, dp_shard={dims.dp_shard}) is not supported by "
+            "enable_resiliency: the adapter captures FSDP2 DTensor shards; use "
+            "data_parallel_shard_degree > 1 (FSDP2, or HSDP with data_parallel_replicate_degree)"
         )
     loader = trainer.dataloader
     if not isinstance(loader, StatefulDataLoader):
