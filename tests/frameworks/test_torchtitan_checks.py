@@ -22,8 +22,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _trainer(**change: Any) -> SimpleNamespace:
+def _loader(**kwargs: Any) -> Any:
     from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(list(range(4)), **kwargs)
+    loader.dp_rank, loader.dp_world_size = 0, 2  # what ParallelAwareDataloader adds
+    return loader
+
+
+def _trainer(**change: Any) -> SimpleNamespace:
 
     dims = {"pp_enabled": False, "pp": 1, "tp": 1, "cp": 1, "ep": 1}
     dims |= {"world_size": 2, "fsdp_enabled": True, "dp_replicate": 1, "dp_shard": 2}
@@ -31,7 +38,7 @@ def _trainer(**change: Any) -> SimpleNamespace:
     trainer = SimpleNamespace(
         parallel_dims=SimpleNamespace(**dims),
         model_parts=[torch.nn.Linear(2, 2)],
-        dataloader=StatefulDataLoader(list(range(4))),
+        dataloader=_loader(),
         config=SimpleNamespace(checkpoint=SimpleNamespace(load_step=-1)),
     )
     for key, value in change.items():
@@ -73,10 +80,14 @@ def test_unsupported_settings_are_refused_with_the_fix(
 
 
 def test_data_loader_workers_are_refused() -> None:
+    assert "num_workers=1" in _refusal(_trainer(dataloader=_loader(num_workers=1)))
+
+
+def test_a_loader_without_data_parallel_rank_is_refused() -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    loader = StatefulDataLoader(list(range(4)), num_workers=1)
-    assert "num_workers=1" in _refusal(_trainer(dataloader=loader))
+    loader = StatefulDataLoader(list(range(4)))
+    assert "ParallelAwareDataloader" in _refusal(_trainer(dataloader=loader))
 
 
 def test_registry_routes_a_torchtitan_trainer_and_refuses_an_optimizer() -> None:

@@ -228,6 +228,12 @@ def check_supported(trainer: Any) -> None:
             f"the Trainer's data loader is a {type(loader).__name__}, not a torchdata "
             "StatefulDataLoader: enable_resiliency cannot capture its position as plain values"
         )
+    if not (hasattr(loader, "dp_rank") and hasattr(loader, "dp_world_size")):
+        raise ConfigError(
+            f"the Trainer's data loader ({type(loader).__name__}) has no dp_rank/dp_world_size; "
+            "enable_resiliency needs TorchTitan's ParallelAwareDataloader (or a subclass), "
+            "whose position is per data-parallel rank"
+        )
     if int(getattr(loader, "num_workers", 0)) != 0:
         raise ConfigError(
             f"dataloader.num_workers={loader.num_workers} is not supported by "
