@@ -14,9 +14,11 @@ the fault of ``fw_worker.maybe_kill`` is injected after ``--fault-step``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torchtitan_cpu_shim
@@ -34,8 +36,8 @@ from lm_resiliency import enable_resiliency
 from lm_resiliency.distributed import init_process_group
 
 
-def build(args: object, rank: int) -> object:
-    a = args  # argparse.Namespace
+def build(a: argparse.Namespace) -> Any:
+    """The Trainer: debug llama3, FSDP2 (or HSDP) on CPU, TorchTitan's own config knobs."""
     cfg = llama3_debugmodel()
     cfg.hf_assets_path = str(a.assets / "tokenizer")
     cfg.dataloader.dataset_path = str(a.assets / "data")
@@ -69,7 +71,7 @@ def main() -> int:
     os.environ.setdefault("HF_DATASETS_CACHE", str(args.run_dir / "hf-cache"))
     init_process_group("nccl" if args.cuda else "gloo")
     rank = dist.get_rank()
-    trainer = build(args, rank)
+    trainer = build(args)
 
     # The change a TorchTitan user makes: one call between build and train().
     handle = enable_resiliency(trainer, interval=args.interval, config=fw_worker.config(args, rank))
@@ -88,10 +90,10 @@ def main() -> int:
     fw_worker.report(args, rank, **fields)
     first: dict[str, int] = {}
 
-    def record_first(opt: object, a: object, k: object) -> None:
+    def record_first(opt: Any, a: Any, k: Any) -> None:
         first.setdefault("step", int(trainer.step))
 
-    def fault(opt: object, a: object, k: object) -> None:
+    def fault(opt: Any, a: Any, k: Any) -> None:
         fw_worker.maybe_kill(args, int(trainer.step), rank, handle.manager)
 
     trainer.optimizers.register_step_pre_hook(record_first)
@@ -121,33 +123,32 @@ def _dcp_steps(folder: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in done)
 
 
-def _loader_state(trainer: object) -> object:
+def _loader_state(trainer: Any) -> Any:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    return StatefulDataLoader.state_dict(trainer.dataloader)  # type: ignore[attr-defined]
+    return StatefulDataLoader.state_dict(trainer.dataloader)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _finals(trainer: object) -> dict[str, torch.Tensor]:
-    t = trainer  # a torchtitan Trainer
-    model = t.model_parts[0]  # type: ignore[attr-defined]
+def _finals(t: Any) -> dict[str, torch.Tensor]:
+    model = t.model_parts[0]
     final: dict[str, torch.Tensor] = {}
     names = {id(p): n for n, p in model.named_parameters()}
     for name, param in model.named_parameters():
         final[f"param.{name}"] = _local(param.detach())
-    for i, opt in enumerate(t.optimizers):  # type: ignore[attr-defined]
+    for i, opt in enumerate(t.optimizers):
         for param, entries in opt.state.items():
             for key, value in entries.items():
                 if isinstance(value, torch.Tensor):
                     final[f"optim.{i}.{names[id(param)]}.{key}"] = _local(value)
         lrs = [float(g["lr"]) for g in opt.param_groups]
         final[f"lr.{i}"] = torch.tensor(lrs, dtype=torch.float64)
-    final["last_epoch"] = torch.tensor(t.lr_schedulers.state_dict()["last_epoch"])  # type: ignore[attr-defined]
-    final["step"] = torch.tensor(int(t.step))  # type: ignore[attr-defined]
-    final["ntokens_seen"] = torch.tensor(int(t.ntokens_seen))  # type: ignore[attr-defined]
+    final["last_epoch"] = torch.tensor(t.lr_schedulers.state_dict()["last_epoch"])
+    final["step"] = torch.tensor(int(t.step))
+    final["ntokens_seen"] = torch.tensor(int(t.ntokens_seen))
     final["rng.default"] = torch.get_rng_state()
     return final
 
