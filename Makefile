@@ -19,12 +19,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The framework adapters' extras (DeepSpeed, Megatron Core, Hugging Face) into .venv, held to the
-# installed torch by a constraint: an install never replaces torch==2.13.0.
+# The framework adapters' extras (DeepSpeed, Megatron Core, TorchTitan, Hugging Face) into .venv,
+# held to the installed torch by a constraint: an install never replaces torch==2.13.0.
 EXTRAS_STAMP := $(VENV)/.extras
 $(EXTRAS_STAMP): $(STAMP) pyproject.toml
 	echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
-	$(BIN)/pip install -q -c $(VENV)/torch-constraint.txt -e ".[dev,deepspeed,megatron,hf]"
+	$(BIN)/pip install -q -c $(VENV)/torch-constraint.txt -e ".[dev,deepspeed,megatron,torchtitan,hf]"
 	touch $(EXTRAS_STAMP)
 
 extras: $(EXTRAS_STAMP)

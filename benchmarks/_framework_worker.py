@@ -1,6 +1,6 @@
 """Worker of benchmarks/frameworks.py, run by torchrun on 2 CPU ranks (Gloo).
 
-``python _framework_worker.py --framework {deepspeed,megatron} --out FILE ...``
+``python _framework_worker.py --framework {deepspeed,megatron,torchtitan} --out FILE ...``
 
 In one process: warm-up steps, then ``--steps`` plain steps (baseline), then
 resiliency enabled at ``--interval`` and ``--steps`` more steps. Rank 0 writes
@@ -120,6 +120,40 @@ def megatron_setup(args: argparse.Namespace) -> tuple[Any, Step]:
     return make_adapter([chunk], [], optimizer=optimizer), step
 
 
+def torchtitan_setup(args: argparse.Namespace) -> tuple[Any, Step]:
+    import torchtitan_cpu_shim  # test-only CPU shim, see its doc
+
+    torchtitan_cpu_shim.install()
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from lm_resiliency.integrations.torchtitan import make_adapter
+
+    cfg = llama3_debugmodel()  # 6.2M parameters, random init
+    cfg.hf_assets_path = str(args.assets / "tokenizer")
+    cfg.dataloader.dataset_path = str(args.assets / "data")
+    cfg.training.seq_len = 128
+    cfg.training.local_batch_size = 2
+    cfg.training.steps = 10_000  # the LR schedule's length; the phases run far fewer
+    cfg.training.disable_cuda_graphs = True
+    cfg.training.mixed_precision_param = "float32"
+    cfg.parallelism.data_parallel_shard_degree = 2
+    cfg.parallelism.spmd_backend = "partial_dtensor"
+    cfg.debug.seed = 0
+    cfg.validator.enable = False
+    cfg.metrics.log_freq = 10**9
+    cfg.dump_folder = tempfile.mkdtemp(prefix="lmr-bench-titan-")
+    trainer = cfg.build()
+    torchtitan_cpu_shim.force_sum_reduction(trainer.model_parts)
+    batches = trainer.batch_generator(trainer.dataloader)
+
+    def step(i: int) -> None:
+        # One iteration of Trainer.train()'s loop body (its train_step, TorchTitan's own).
+        trainer.step += 1
+        trainer.train_step(batches)
+
+    return make_adapter(trainer, []), step
+
+
 def _phase(step: Step, first: int, count: int) -> float:
     dist.barrier()
     t0 = time.perf_counter()
@@ -131,16 +165,18 @@ def _phase(step: Step, first: int, count: int) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--framework", choices=["deepspeed", "megatron"], required=True)
+    p.add_argument("--framework", choices=["deepspeed", "megatron", "torchtitan"], required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--assets", type=Path, help="torchtitan: tokenizer and dataset folder")
     args = p.parse_args()
     init_process_group("gloo")
-    setup = deepspeed_setup if args.framework == "deepspeed" else megatron_setup
+    setups = {"deepspeed": deepspeed_setup, "megatron": megatron_setup}
+    setup = setups.get(args.framework, torchtitan_setup)
     adapter, step = setup(args)
     from lm_resiliency.resiliency.enable import enable_adapter
 

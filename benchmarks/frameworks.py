@@ -1,7 +1,8 @@
 """Framework adapters on CPU: blocking time per capture and steps/s with and without GEMINI.
 
 Per framework installed (DeepSpeed ZeRO-2 bf16; Megatron Core's distributed
-optimizer behind the test-only CPU shim), one torchrun job of 2 Gloo ranks runs
+optimizer and TorchTitan's debug llama3 with FSDP2, both behind their
+test-only CPU shims), one torchrun job of 2 Gloo ranks runs
 ``_framework_worker.py``: warm-up, ``--steps`` plain steps, then resiliency
 enabled at interval 10 and ``--steps`` more steps in the same processes.
 Reports rank 0's blocking time per capture as the training loop sees it
@@ -9,7 +10,7 @@ Reports rank 0's blocking time per capture as the training loop sees it
 step; median and max over the complete capture cycles) and the steps/s
 ratio GEMINI/baseline of the same run. Not part of the test suite.
 
-Usage: python benchmarks/frameworks.py [--steps 60] [--frameworks deepspeed megatron]
+Usage: python benchmarks/frameworks.py [--steps 60] [--frameworks deepspeed megatron torchtitan]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from lm_resiliency.testing.torchrun import run_torchrun
 
 _HERE = Path(__file__).resolve().parent
 _REPO = _HERE.parent
-_PACKAGES = {"deepspeed": "deepspeed", "megatron": "megatron.core"}
+_PACKAGES = {"deepspeed": "deepspeed", "megatron": "megatron.core", "torchtitan": "torchtitan"}
 
 
 def _installed(module: str) -> bool:
@@ -34,6 +35,15 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
         return False
+
+
+def _titan_assets(folder: Path) -> Path:
+    """A local tokenizer and dataset for TorchTitan (made by the tests' helper)."""
+    sys.path.insert(0, str(_REPO / "tests" / "frameworks"))
+    import torchtitan_assets
+
+    torchtitan_assets.make(folder / "assets")
+    return folder / "assets"
 
 
 def main() -> int:
@@ -45,6 +55,9 @@ def main() -> int:
     env = {
         "TORCH_EXTENSIONS_DIR": str(_REPO / ".cache" / "torch_extensions"),
         "PYTHONPATH": str(_REPO / "src"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": tempfile.mkdtemp(prefix="lmr-fw-bench-hf-"),
     }
     rows = []
     for lock in (_REPO / ".cache" / "torch_extensions").glob("*/lock"):
@@ -56,6 +69,8 @@ def main() -> int:
         out = Path(tempfile.mkdtemp(prefix="lmr-fw-bench-")) / "result.json"
         entry = [str(_HERE / "_framework_worker.py"), "--framework", fw, "--out", str(out)]
         entry += ["--steps", str(args.steps), "--interval", str(args.interval)]
+        if fw == "torchtitan":
+            entry += ["--assets", str(_titan_assets(out.parent))]
         run = run_torchrun(entry, 2, env=env, timeout_s=900)
         if run.returncode != 0:
             print(run.describe(), file=sys.stderr)
