@@ -73,11 +73,6 @@ class _Cycle:
     start: float
     partial: PartialEncoding | None = None
     """Set when the walk of the tree's deferred parts is left to the worker."""
-    copy_first: frozenset[int] = frozenset()
-    """Storage pointers of the sources to copy before all others (module buffers)."""
-    first_done: threading.Event = field(default_factory=threading.Event)
-    first_events: dict[torch.device, Any] = field(default_factory=dict)
-    first_waited: bool = False
     captured: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -171,22 +166,19 @@ class CaptureEngine:
         """``own_previous``: the prior complete capture (None with a single slot)."""
         return self.slots[1] if len(self.slots) > 1 else None
 
-    def capture(self, state: Any, step: int, *, copy_first: frozenset[int] = frozenset()) -> None:
+    def capture(self, state: Any, step: int) -> None:
         """Launch the capture of ``state`` at ``step``; returns without waiting for bytes.
 
         Waits for the previous cycle (copy and replication) first. Raises
         ``StateEncodingError`` for unsupported values (also a tensor dtype the
         node-local shard format cannot store, checked when the layout changes)
         and ``CaptureError`` for a failure of an earlier background cycle.
-        ``copy_first``: ``data_ptr()`` of the source tensors to copy before all
-        others (what the next forward modifies in place, such as BatchNorm
-        statistics); :meth:`wait_copied_first` waits for just those.
         """
         t0 = time.perf_counter()
         self._finish_previous()
         if self._layout is None:
             # The first capture is encoded here, so its errors are raised by this call.
-            self._launch(encode_state(state), step, t0, persisted=True, copy_first=copy_first)
+            self._launch(encode_state(state), step, t0, persisted=True)
             return
         # Later ones leave the walk of Deferred subtrees (model and optimizer state) to the
         # worker; what it raises (an unsupported value, no room for a new layout) comes out
@@ -194,7 +186,7 @@ class CaptureEngine:
         partial = begin_encoding(state)
         slot = self._rotate()
         ready = self._record_ready_on(self._devices)
-        self._submit(_Cycle(step, slot, None, None, ready, t0, partial, copy_first))
+        self._submit(_Cycle(step, slot, None, None, ready, t0, partial))
 
     def capture_tensors(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int
@@ -208,14 +200,7 @@ class CaptureEngine:
         self._finish_previous()
         self._launch(EncodedState(document={}, tensors=list(tensors), names=list(names)), step, t0)
 
-    def _launch(
-        self,
-        encoded: EncodedState,
-        step: int,
-        t0: float,
-        persisted: bool = False,
-        copy_first: frozenset[int] = frozenset(),
-    ) -> None:
+    def _launch(self, encoded: EncodedState, step: int, t0: float, persisted: bool = False) -> None:
         layout = self._layout_for(encoded, persisted)
         slot = self._rotate()
         # Device tensors: remember where the compute stream is now; the worker's side
@@ -223,7 +208,7 @@ class CaptureEngine:
         # every source tensor until its copy completed, so the caching allocator cannot
         # hand a source's memory to new work even if the caller drops it right away.
         ready = self._record_ready(encoded.tensors)
-        self._submit(_Cycle(step, slot, layout, encoded, ready, t0, copy_first=copy_first))
+        self._submit(_Cycle(step, slot, layout, encoded, ready, t0))
 
     def _submit(self, cycle: _Cycle) -> None:
         with self._cv:
@@ -246,21 +231,6 @@ class CaptureEngine:
         cycle.captured.wait()
         self.stats.wait_s.append(time.perf_counter() - t0)
         self._raise_pending()
-
-    def wait_copied_first(self) -> None:
-        """Block until the in-flight capture's ``copy_first`` sources are copied.
-
-        On an accelerator the current stream is made to wait for their copies
-        instead (the caller is not blocked for the device work). Cheap when
-        nothing is in flight or after the first call for a capture.
-        """
-        cycle = self._cycle
-        if cycle is None or cycle.first_waited:
-            return
-        cycle.first_done.wait()
-        for device, event in cycle.first_events.items():
-            torch.cuda.current_stream(device).wait_event(event)
-        cycle.first_waited = True
 
     def wait_idle(self) -> None:
         """Block until the in-flight cycle (including its follow-up) has finished."""
@@ -424,14 +394,7 @@ class CaptureEngine:
             t0 = time.perf_counter()
             if slot.prepare(layout, pin=self.pin_memory):
                 self.stats.allocations += 1
-            pairs = list(zip(slot.views(), encoded.tensors, strict=True))
-            if cycle.copy_first:
-                first = cycle.copy_first
-                early = [p for p in pairs if p[1].data_ptr() in first]
-                pairs = [p for p in pairs if p[1].data_ptr() not in first]
-                self._copy_pairs(cycle, early, first=True)
-            cycle.first_done.set()
-            self._copy_pairs(cycle, pairs)
+            self._copy_pairs(cycle, list(zip(slot.views(), encoded.tensors, strict=True)))
             self.stats.copy_s.append(time.perf_counter() - t0)
             slot.publish(cycle.step, encoded.document, self.rank)
         except BaseException as exc:  # recorded and raised on the caller's next call
@@ -459,20 +422,11 @@ class CaptureEngine:
         cycle.slot.invalidate()
         self.stats.failures += 1
         self._pending_error = err
-        cycle.first_done.set()
         cycle.captured.set()
         cycle.finished.set()
 
-    def _copy_pairs(
-        self, cycle: _Cycle, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, first: bool = False
-    ) -> None:
-        """Copy ``pairs`` into the arena and wait for them.
-
-        ``first``: the device copies are left in flight (their side stream waits
-        for the step's kernels; blocking here would make the training thread
-        wait for the device in :meth:`wait_copied_first`); their events are kept
-        for the training's stream to wait on, and synchronized with the rest.
-        """
+    def _copy_pairs(self, cycle: _Cycle, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy ``pairs`` (arena view, source) and wait until every byte arrived."""
         if not cycle.ready:
             self._copy_host(pairs)
             return
@@ -480,10 +434,7 @@ class CaptureEngine:
         on_dev = [p for p in pairs if p[1].device.type == "cuda"]
         events = self._launch_device(cycle, on_dev)
         self._copy_host([p for p in pairs if p[1].device.type != "cuda"])
-        if first:
-            cycle.first_events = dict(zip(cycle.ready, events, strict=True))
-            return
-        for event in [*cycle.first_events.values(), *events]:
+        for event in events:
             event.synchronize()
 
     def _copy_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

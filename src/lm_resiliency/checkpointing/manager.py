@@ -292,7 +292,7 @@ class InMemoryCheckpointManager:
             tier.folder.write_lineage(lineage)
 
     # ------------------------------------------------------------------ capture
-    def save(self, state: Any, step: int, *, copy_first: frozenset[int] = frozenset()) -> None:
+    def save(self, state: Any, step: int) -> None:
         """Launch an asynchronous capture of ``state`` (a state tree) at optimizer ``step``.
 
         Returns after launching the copy; the cost does not grow with the state's
@@ -301,9 +301,6 @@ class InMemoryCheckpointManager:
         Raises ``StateEncodingError`` (unsupported value, with its key path),
         ``MemoryFolderFull`` (``memory_required`` and the memory folder has no
         room) and ``CaptureError`` (an earlier background failure, with its step).
-        ``copy_first``: ``data_ptr()`` of tensors the next forward modifies in
-        place (module buffers such as BatchNorm statistics): copied before the
-        rest; call :meth:`wait_buffers` before that forward.
         """
         self._check_open()
         if not self.config.enable:
@@ -311,11 +308,7 @@ class InMemoryCheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int (the optimizer step)")
         self.history.commit(None, None)  # no recovery decided before: this is a fresh timeline
-        self._engine.capture(state, step, copy_first=copy_first)
-
-    def wait_buffers(self) -> None:
-        """Wait until the in-flight capture copied its ``copy_first`` tensors (cheap after)."""
-        self._engine.wait_copied_first()
+        self._engine.capture(state, step)
 
     def maybe_wait(self) -> None:
         """Wait until the in-flight capture is complete and its replication launched.

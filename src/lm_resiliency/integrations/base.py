@@ -175,14 +175,6 @@ class Adapter(Protocol):
         """The modules SCOUT derives its recipes from (the unwrapped model)."""
         ...
 
-    def forward_modules(self) -> Sequence[torch.nn.Module]:
-        """The modules the training loop calls (a wrapper, e.g. DDP, rather than what it wraps).
-
-        Their buffers are copied first at a capture, and a forward pre-hook on
-        each waits for that copy: a forward modifies buffers in place.
-        """
-        ...
-
     def close(self) -> None:
         """Remove whatever the adapter installed (hooks); idempotent."""
         ...
@@ -240,9 +232,6 @@ class AdapterBase:
 
     def modules(self) -> Sequence[torch.nn.Module]:
         raise NotImplementedError
-
-    def forward_modules(self) -> Sequence[torch.nn.Module]:
-        return self.modules()
 
     def close(self) -> None:
         return None

@@ -106,9 +106,6 @@ class DDPAdapter(ModuleAdapter):
             replay_ready_order(self.ddp, order)
             self._restored = order
 
-    def forward_modules(self) -> Sequence[torch.nn.Module]:
-        return [self.ddp]  # DDP's forward broadcasts buffers before the wrapped module runs
-
     def parallel_layout(self) -> ParallelLayout:
         """Every rank of DDP's process group holds a replica of the same parameters."""
         if not dist.is_initialized():

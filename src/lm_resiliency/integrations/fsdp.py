@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.integrations._buffers import snapshot_buffers
 from lm_resiliency.integrations.base import AdapterBase, ParallelLayout
 
 __all__ = ["FSDPAdapter", "make_adapter"]
@@ -76,7 +77,9 @@ class FSDPAdapter(AdapterBase):
         }
 
     def rank_state_dict(self) -> dict[str, Any]:
-        return {"buffers": dict(self.model.named_buffers())}
+        buffers: dict[str, Any] = dict(self.model.named_buffers())
+        snapshot_buffers(self.model, buffers)  # copies: the next forward changes them in place
+        return {"buffers": buffers}
 
     def _layout(self) -> dict[str, Any]:
         return {

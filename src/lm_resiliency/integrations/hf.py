@@ -42,6 +42,7 @@ from transformers import TrainerCallback
 
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.integrations._buffers import snapshot_buffers
 from lm_resiliency.integrations._ddp_buckets import (
     ReadyOrder,
     check_replayable,
@@ -102,8 +103,10 @@ class HFAdapter(AdapterBase):
     def state_dict(self) -> dict[str, Any]:
         if self._recorder is not None and self._recorder.order is not None:
             self._order = list(self._recorder.order)
+        model = self.model.state_dict()
+        snapshot_buffers(self.model, model)  # the forward that follows changes them in place
         return {
-            "model": self.model.state_dict(),
+            "model": model,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "trainer": {k: getattr(self.trainer_state, k) for k in _TRAINER_FIELDS},
@@ -148,9 +151,6 @@ class HFAdapter(AdapterBase):
 
     def modules(self) -> Sequence[torch.nn.Module]:
         return [self.model]
-
-    def forward_modules(self) -> Sequence[torch.nn.Module]:
-        return [self.ddp] if self.ddp is not None else [self.model]
 
 
 def _length(dataloader: Any) -> int | None:

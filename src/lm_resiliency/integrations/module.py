@@ -2,7 +2,9 @@
 
 The recovery state is the module's ``state_dict()`` (parameters and buffers)
 and each optimizer's ``state_dict()``; both only reference the live tensors,
-which the capture copies before the next step changes them.
+which the capture copies before the next step changes them, except the
+buffers, which the next forward changes: they are copied at the boundary
+(:mod:`lm_resiliency.integrations._buffers`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.integrations._buffers import snapshot_buffers
 from lm_resiliency.integrations.base import AdapterBase
 
 __all__ = ["ModuleAdapter", "make_adapter"]
@@ -28,8 +31,10 @@ class ModuleAdapter(AdapterBase):
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
+        model = self.model.state_dict()
+        snapshot_buffers(self.model, model)  # a forward changes them in place
         return {
-            "model": self.model.state_dict(),
+            "model": model,
             "optimizers": [o.state_dict() for o in self._optimizers],
         }
 

@@ -1,10 +1,7 @@
 """The step boundary the optimizer hooks drive: wait before the step, capture after it.
 
 ``before_step`` waits for the capture in flight (its copy must be complete
-before the parameters change, or it would mix two steps); ``before_forward``
-(a forward pre-hook on the model) waits only for its copy of the module
-buffers, which a forward modifies in place (BatchNorm statistics, DDP's buffer
-broadcast), so they are copied first; ``after_step``
+before the parameters change, or it would mix two steps); ``after_step``
 counts the step and, every ``interval`` steps, asks each capture gate (SCOUT,
 when enabled) whether this step may be captured, then launches the capture
 and tells each ``after_capture`` hook (SCOUT certifies it); on every other
@@ -56,12 +53,10 @@ class CaptureBoundary:
         interval: int,
         start_step: int,
         build_tree: Callable[[int], Any],
-        buffers: Callable[[], frozenset[int]] = frozenset,
     ) -> None:
         self._manager = manager
         self._interval = interval
         self._build_tree = build_tree
-        self._buffers = buffers
         self.step = start_step
         self.gates: list[CaptureGate] = []
         self.after_capture: list[Callable[[int], None]] = []
@@ -77,11 +72,6 @@ class CaptureBoundary:
         self.stats.wait_s.append(time.perf_counter() - t0)
         self._in_flight = False
 
-    def before_forward(self) -> None:
-        """The next forward may modify module buffers in place: their copy must be done."""
-        if self._in_flight:
-            self._manager.wait_buffers()
-
     def after_step(self) -> None:
         self.step += 1
         step = self.step
@@ -93,7 +83,7 @@ class CaptureBoundary:
             self.stats.skipped += 1
             return
         t0 = time.perf_counter()
-        self._manager.save(self._build_tree(step), step, copy_first=self._buffers())
+        self._manager.save(self._build_tree(step), step)
         self.stats.launch_s.append(time.perf_counter() - t0)
         self.stats.captures += 1
         self._in_flight = True
@@ -113,9 +103,6 @@ class WaitOnly:
 
     def before_step(self) -> None:
         self._inner.before_step()
-
-    def before_forward(self) -> None:
-        self._inner.before_forward()
 
     def after_step(self) -> None:
         return None

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.detection import ComparisonGroups, Scout, ScoutConfig
-from lm_resiliency.integrations.base import Adapter, Unbind
+from lm_resiliency.integrations.base import Adapter
 from lm_resiliency.integrations.registry import adapter_for
 from lm_resiliency.resiliency.boundary import CaptureBoundary, WaitOnly
 from lm_resiliency.resiliency.handle import ResiliencyHandle
@@ -120,13 +119,8 @@ def enable_adapter(
         if scout_config is not None:
             checker = _scout(scout_config, adapter, layout, manager)
         recovery = recover(manager, tree.apply, fallback, scout=checker, failure_kind=failure_kind)
-        forward = list(adapter.forward_modules())
         boundary = CaptureBoundary(
-            manager,
-            interval=config.interval,
-            start_step=recovery.step or 0,
-            build_tree=tree.build,
-            buffers=lambda: buffer_pointers(forward),
+            manager, interval=config.interval, start_step=recovery.step or 0, build_tree=tree.build
         )
         if checker is not None:
             boundary.gates.append(checker.before_capture)
@@ -136,11 +130,7 @@ def enable_adapter(
         if mtgs_config is not None:
             # After the recovery: the DDP bucket replay runs through DDP's default hook.
             txn = build_mtgs(adapter, objects, mtgs_config, committed_steps=boundary.step)
-        unbind = bind_forward(
-            forward,
-            boundary,
-            adapter.bind(WaitOnly(boundary) if txn is not None else boundary),
-        )
+        unbind = adapter.bind(WaitOnly(boundary) if txn is not None else boundary)
     except BaseException:
         adapter.close()
         if checker is not None:
@@ -191,29 +181,3 @@ def _manager(
 
 def _manager_params() -> set[str]:
     return set(inspect.signature(InMemoryCheckpointManager.__init__).parameters)
-
-
-def buffer_pointers(modules: Sequence[torch.nn.Module]) -> frozenset[int]:
-    """Storage pointers of the modules' buffers (what a forward may modify in place)."""
-    # nn.Module's method, not the instance's: Megatron's DistributedDataParallel keeps its
-    # grad/param buffers in an attribute named ``buffers`` that shadows the method.
-    own = torch.nn.Module.buffers
-    return frozenset(b.data_ptr() for m in modules for b in own(m) if b.numel())
-
-
-def bind_forward(
-    modules: Sequence[torch.nn.Module], boundary: CaptureBoundary, unbind: Unbind
-) -> Unbind:
-    """A forward pre-hook on each module waits for the capture's copy of the buffers."""
-
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        boundary.before_forward()
-
-    handles = [m.register_forward_pre_hook(hook) for m in modules]
-
-    def both() -> None:
-        for h in handles:
-            h.remove()
-        unbind()
-
-    return both

@@ -154,9 +154,6 @@ class DeepSpeedAdapter(AdapterBase):
     def modules(self) -> Sequence[torch.nn.Module]:
         return [self.engine.module]
 
-    def forward_modules(self) -> Sequence[torch.nn.Module]:
-        return [self.engine]  # the loop calls the engine, which calls the module
-
 
 def durable_loader(
     engine: Any, checkpoint_dir: str | os.PathLike[str], *, tag: str | None = None
