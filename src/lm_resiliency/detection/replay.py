@@ -41,6 +41,7 @@ from torch import nn
 
 from lm_resiliency.detection.digest import digest_tensors
 from lm_resiliency.detection.signature import CallSignature, Scalar, Seq, TensorArg
+from lm_resiliency.integrations._buffers import restore_buffers, save_buffers
 
 
 @dataclass(frozen=True)
@@ -92,20 +93,11 @@ def _seeded_rng(device: torch.device, seed: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _buffers_restored(module: nn.Module) -> Iterator[None]:
-    saved = [
-        (owner, name, buf, None if buf is None else buf.detach().clone())
-        for owner in module.modules()
-        for name, buf in owner._buffers.items()
-    ]
+    saved = save_buffers(module)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for owner, name, buf, value in saved:
-                if owner._buffers.get(name) is not buf:
-                    owner._buffers[name] = buf  # the forward rebound it; put the original back
-                if buf is not None and value is not None:
-                    buf.copy_(value)
+        restore_buffers(saved)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["snapshot_buffers"]
+__all__ = ["SavedBuffers", "restore_buffers", "save_buffers", "snapshot_buffers"]
+
+SavedBuffers = list[tuple[torch.nn.Module, str, torch.Tensor | None, torch.Tensor | None]]
+"""(owning module, buffer name, the buffer object, a copy of its value) per buffer."""
 
 
 def snapshot_buffers(module: torch.nn.Module, state: MutableMapping[str, Any]) -> None:
@@ -31,3 +34,24 @@ def snapshot_buffers(module: torch.nn.Module, state: MutableMapping[str, Any]) -
     for name, buf in torch.nn.Module.named_buffers(module):
         if buf is not None and name in state:
             state[name] = buf.detach().clone()
+
+
+def save_buffers(module: torch.nn.Module) -> SavedBuffers:
+    """Copies of every buffer of ``module`` and its submodules, to put back later."""
+    with torch.no_grad():
+        return [
+            (owner, name, buf, None if buf is None else buf.detach().clone())
+            for owner in module.modules()
+            for name, buf in owner._buffers.items()
+        ]
+
+
+def restore_buffers(saved: SavedBuffers) -> None:
+    """Put back what :func:`save_buffers` saved, in place; a buffer the module rebound
+    to a new tensor since then (``self.buf = self.buf + 1``) gets its original object back."""
+    with torch.no_grad():
+        for owner, name, buf, value in saved:
+            if owner._buffers.get(name) is not buf:
+                owner._buffers[name] = buf
+            if buf is not None and value is not None:
+                buf.copy_(value)

@@ -11,7 +11,12 @@ Call order (every step, on every rank)::
 What is kept: every parameter once (tied weights share one copy), every
 optimizer state entry (tensors such as ``exp_avg`` and ``step``, plain values
 too, and which parameters had no state yet), the parameter groups'
-hyper-parameters, the LR scheduler's and the AMP grad scaler's state. The
+hyper-parameters, the LR scheduler's and the AMP grad scaler's state, and the
+buffers of ``module`` (BatchNorm statistics, counters: a failed attempt's
+forward has already changed them in place, so a retry must start from the
+values before it). Buffers are copied at ``begin`` on the caller's thread (the forward that
+follows changes them; a device copy on the current stream on a GPU), the rest
+in the background. The
 tensors are captured by GEMINI's :class:`~lm_resiliency.capture.engine.CaptureEngine`
 (one slot): one flat pre-faulted host arena (page-locked when CUDA is present),
 device tensors copied on a side stream, host tensors by the engine's worker
@@ -29,6 +34,7 @@ import torch
 
 from lm_resiliency.capture.engine import CaptureEngine
 from lm_resiliency.errors import CaptureError
+from lm_resiliency.integrations._buffers import SavedBuffers, restore_buffers, save_buffers
 
 Key = tuple[str, int, str]  # ("param", i, "") | ("state", i, key) | ("group", g, key)
 
@@ -58,9 +64,12 @@ class Shadow:
         scheduler: Any = None,
         scaler: Any = None,
         *,
+        module: torch.nn.Module | None = None,
         pin: bool = True,
     ) -> None:
         self._params = _unique(params)
+        self._module = module
+        self._buffers: SavedBuffers = []
         self._optimizer = optimizer
         self._scheduler = scheduler
         self._scaler = scaler
@@ -79,6 +88,8 @@ class Shadow:
     def begin(self) -> None:
         """Snapshot the current state; the tensor bytes are copied in the background."""
         self.wait()
+        if self._module is not None:
+            self._buffers = save_buffers(self._module)
         keys, tensors = self._collect()
         self._keys = keys
         self._devices = [t.device for t in tensors]
@@ -94,8 +105,12 @@ class Shadow:
         except CaptureError as err:
             raise CaptureError(f"shadow copy failed: {err}") from err
 
-    def restore(self) -> None:
-        """Write the snapshot back, bit for bit; state created since ``begin`` is removed."""
+    def restore(self, *, buffers: bool = True) -> None:
+        """Write the snapshot back, bit for bit; state created since ``begin`` is removed.
+
+        ``buffers=False`` keeps the module buffers (an update redone on the same
+        gradients: the step's forward, which changed them, is not run again).
+        """
         if self._plain is None:
             raise CaptureError("Shadow.restore() called before any Shadow.begin()")
         self.wait()
@@ -141,6 +156,8 @@ class Shadow:
         with torch.no_grad():
             if live:
                 torch._foreach_copy_(live, saved)
+        if buffers:
+            self.restore_buffers()
         for group, values in zip(opt.param_groups, plain.groups, strict=True):
             for k, v in values.items():
                 group[k] = copy.deepcopy(v)
@@ -153,6 +170,11 @@ class Shadow:
             stages = getattr(self._scaler, "_per_optimizer_states", None)
             if stages is not None:
                 stages.clear()
+
+    def restore_buffers(self) -> None:
+        """Put the module buffers back as they were at ``begin`` (every abort needs it: the
+        failed attempt's forward changed them even when no update was applied)."""
+        restore_buffers(self._buffers)
 
     def close(self) -> None:
         """Stop the copy worker and free the arena (the shadow can no longer be used)."""

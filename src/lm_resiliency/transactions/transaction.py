@@ -155,6 +155,7 @@ class MTGS:
                 optimizer,
                 scheduler,
                 scaler,
+                module=model.module,
                 pin=self.config.pin_shadow,
             )
             if self.config.shadow
@@ -457,7 +458,7 @@ class MTGS:
             )
         for _ in range(self.config.max_retries):
             detected = time.perf_counter_ns()
-            self.shadow.restore()
+            self.shadow.restore(buffers=False)  # the forward is not redone: keep its buffers
             self.ettr.record(
                 "rollback",
                 step=step,
@@ -506,6 +507,8 @@ class MTGS:
                 )
             self.shadow.restore()
             restored = self.shadow.nbytes
+        elif self.shadow is not None:
+            self.shadow.restore_buffers()  # the attempt's forward changed them in place
         rng.restore()
         if self.data_state is not None and data is not None:
             self.data_state.load_state_dict(copy.deepcopy(data))
