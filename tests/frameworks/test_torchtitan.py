@@ -23,36 +23,19 @@ Skipped where TorchTitan is not installed (``make extras`` installs it).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
-from fw_runs import Job, assert_bit_identical, run_job
+from fw_runs import Job, assert_bit_identical
+from torchtitan_runs import PYTESTMARK, jobs
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("torchtitan") is None,
-        reason="TorchTitan is not installed; `make extras` (pip install -e .[torchtitan]) adds it",
-    ),
-]
-
-WORKER = Path(__file__).with_name("torchtitan_worker.py")
-_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+pytestmark = PYTESTMARK
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
-    import torchtitan_assets
-
     tmp = tmp_path_factory.mktemp("torchtitan")
-    assets = tmp / "assets"
-    torchtitan_assets.make(assets)
-    common = ["--steps", "8", "--dcp-interval", "4", "--assets", str(assets)]
-
-    def job(name: str, *args: str, restarts: int = 0) -> Job:
-        return run_job(WORKER, tmp, name, [*common, *args], max_restarts=restarts, env=_OFFLINE)
+    job = jobs(tmp, ["--steps", "8", "--dcp-interval", "4"])
 
     return {
         "crash": job("crash", "--interval", "3", "--fault-step", "7", restarts=1),

@@ -13,39 +13,22 @@ fault-free run's bit for bit.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-from fw_runs import Job, assert_bit_identical, run_job
+from fw_runs import Job, assert_bit_identical
+from torchtitan_runs import PYTESTMARK, jobs
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("torchtitan") is None,
-        reason="TorchTitan is not installed; `make extras` (pip install -e .[torchtitan]) adds it",
-    ),
-]
-
-WORKER = Path(__file__).with_name("torchtitan_worker.py")
-_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+pytestmark = PYTESTMARK
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Job, Job]:
-    import torchtitan_assets
-
     tmp = tmp_path_factory.mktemp("torchtitan-hsdp")
-    assets = tmp / "assets"
-    torchtitan_assets.make(assets)
-    args = ["--steps", "8", "--interval", "3", "--assets", str(assets)]
-    args += ["--dp-replicate", "2", "--dp-shard", "2"]
+    args = ["--steps", "8", "--interval", "3", "--dp-replicate", "2", "--dp-shard", "2"]
+    run = jobs(tmp, args)
 
     def job(name: str, *extra: str, restarts: int = 0) -> Job:
-        return run_job(
-            WORKER, tmp, name, [*args, *extra], nproc=4, max_restarts=restarts, env=_OFFLINE
-        )
+        return run(name, *extra, nproc=4, restarts=restarts)
 
     return job("crash", "--fault-step", "7", restarts=1), job("reference")
 
