@@ -28,8 +28,9 @@ if [ "${GPU_CHECK_RECOVERY:-0}" = 1 ]; then
   python3 benchmarks/recovery.py --skip-demo --repeats 3 2>&1 | tee -a "${OUT:-/tmp}/gpu_check.log"
 fi
 # Optional: the framework adapters on CUDA (DeepSpeed ZeRO-1/2/3 bf16, Megatron Core,
-# NCCL, one rank per GPU up to 2; ~2-3 min). Needs deepspeed / megatron-core on the host
-# (no registry there: carry their wheels in .whl/ as for crc32c). GPU_CHECK_FRAMEWORKS=1.
+# TorchTitan with 2+ GPUs; NCCL, one rank per GPU up to 2; ~2-3 min). Needs deepspeed /
+# megatron-core / torchtitan on the host (no registry there: carry their wheels in .whl/ as
+# for crc32c; a framework that is missing is skipped). GPU_CHECK_FRAMEWORKS=1.
 if [ "${GPU_CHECK_FRAMEWORKS:-0}" = 1 ]; then
   if ls .whl/deepspeed-*.whl .whl/megatron_core-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --find-links .whl --target /tmp/site \

@@ -1,11 +1,13 @@
 """GPU path of the framework adapters (run by gpu_check.sh with GPU_CHECK_FRAMEWORKS=1).
 
-For DeepSpeed (ZeRO-1/2/3) and Megatron Core, where installed on the device
-host: the kill-and-recover job of tests/frameworks on CUDA (NCCL, no CPU shim)
-with one rank per visible GPU (at most 2), and a fault-free reference; the
-final state must be bit-identical. With a single GPU the rank recovers from
-its own node-local files (no peer). Prints one line per case; exit 1 on any
-mismatch or failed job.
+For DeepSpeed (ZeRO-1/2/3), Megatron Core and TorchTitan, where installed on
+the device host: the kill-and-recover job of tests/frameworks on CUDA (NCCL, no
+CPU shim) with one rank per visible GPU (at most 2), and a fault-free
+reference; the final state must be bit-identical. With a single GPU the rank
+recovers from its own node-local files (no peer). TorchTitan needs 2 GPUs (its
+adapter refuses a model without FSDP2 sharding, and NCCL does not put two ranks
+on one GPU): with one it prints why it is skipped. Prints one line per case;
+exit 1 on any mismatch or failed job.
 """
 
 from __future__ import annotations
@@ -33,11 +35,22 @@ def main() -> int:
         cases += [("deepspeed", ["--stage", str(s), "--bf16"]) for s in (1, 2, 3)]
     if importlib.util.find_spec("megatron") is not None:
         cases.append(("megatron", []))
+    if importlib.util.find_spec("torchtitan") is not None:
+        if nproc >= 2:
+            cases.append(("torchtitan", ["--dp-shard", str(nproc)]))
+        else:
+            print("gpu_frameworks torchtitan: skipped, needs 2 GPUs (FSDP2 over 2 ranks)")
     failed = 0
     for fw, extra in cases:
         tmp = Path(tempfile.mkdtemp(prefix=f"gpu-{fw}-"))
+        assets: list[str] = []
+        if fw == "torchtitan":
+            import torchtitan_assets
+
+            torchtitan_assets.make(tmp / "assets")
+            assets = ["--assets", str(tmp / "assets")]
         worker = _TESTS / f"{fw}_worker.py"
-        base = ["--cuda", "--steps", "8", "--interval", "3", *extra]
+        base = ["--cuda", "--steps", "8", "--interval", "3", *extra, *assets]
         fault = ["--fault-step", "7", "--fault-rank", str(nproc - 1)]
         try:
             crash = run_job(worker, tmp, "crash", [*base, *fault], nproc=nproc, max_restarts=1)
@@ -52,7 +65,7 @@ def main() -> int:
             failed += 1
             print(f"gpu_frameworks {fw} {' '.join(extra)}: FAILED\n{exc}")
     if not cases:
-        print("gpu_frameworks: neither DeepSpeed nor Megatron Core is installed here")
+        print("gpu_frameworks: none of DeepSpeed, Megatron Core, TorchTitan can run here")
     return 1 if failed else 0
 
 
