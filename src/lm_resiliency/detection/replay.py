@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lm_resiliency.capture.buffers import restore_buffers, save_buffers
 from lm_resiliency.detection.digest import digest_tensors
 from lm_resiliency.detection.signature import CallSignature, Scalar, Seq, TensorArg
-from lm_resiliency.integrations._buffers import restore_buffers, save_buffers
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from lm_resiliency.capture.buffers import snapshot_buffers
 from lm_resiliency.errors import ConfigError
-from lm_resiliency.integrations._buffers import snapshot_buffers
 from lm_resiliency.integrations.base import AdapterBase, ParallelLayout
 
 __all__ = ["FSDPAdapter", "make_adapter"]

@@ -40,9 +40,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
+from lm_resiliency.capture.buffers import snapshot_buffers
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.errors import ConfigError
-from lm_resiliency.integrations._buffers import snapshot_buffers
 from lm_resiliency.integrations._ddp_buckets import (
     ReadyOrder,
     check_replayable,

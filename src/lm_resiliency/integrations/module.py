@@ -4,7 +4,7 @@ The recovery state is the module's ``state_dict()`` (parameters and buffers)
 and each optimizer's ``state_dict()``; both only reference the live tensors,
 which the capture copies before the next step changes them, except the
 buffers, which the next forward changes: they are copied at the boundary
-(:mod:`lm_resiliency.integrations._buffers`).
+(:mod:`lm_resiliency.capture.buffers`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from lm_resiliency.capture.buffers import snapshot_buffers
 from lm_resiliency.errors import ConfigError
-from lm_resiliency.integrations._buffers import snapshot_buffers
 from lm_resiliency.integrations.base import AdapterBase
 
 __all__ = ["ModuleAdapter", "make_adapter"]

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from lm_resiliency.capture.buffers import SavedBuffers, restore_buffers, save_buffers
 from lm_resiliency.capture.engine import CaptureEngine
 from lm_resiliency.errors import CaptureError
-from lm_resiliency.integrations._buffers import SavedBuffers, restore_buffers, save_buffers
 
 Key = tuple[str, int, str]  # ("param", i, "") | ("state", i, key) | ("group", g, key)
 
