@@ -1,4 +1,4 @@
-"""The asynchronous capture engine: encode on the caller's thread, copy in the background.
+"""The asynchronous capture engine: snapshot on the caller's thread, copy in the background.
 
 Call order (one thread, the training loop)::
 
@@ -9,7 +9,11 @@ Call order (one thread, the training loop)::
 
 ``capture`` encodes the non-tensor state (unsupported values fail here, on the
 caller's thread), picks the target slot, records one CUDA event per device on
-the current stream and hands the cycle to the completion worker. The worker
+the current stream and hands the cycle to the completion worker. After the
+first capture, subtrees marked :class:`~lm_resiliency.state.Deferred` (values
+already a snapshot, e.g. ``enable_resiliency``'s model and optimizer state) are
+walked and laid out by the worker instead; what that raises comes out of the
+next call unwrapped, with a note naming the step. The worker then
 sizes the slot's arena (allocation and pre-faulting stay off the training
 thread), enqueues the device tensors' copies on a side stream that first waits
 for that event, copies host tensors itself (``copy_`` releases the GIL) and waits
@@ -20,8 +24,8 @@ worker publishes the slot and runs the ``after_capture`` hook (replication);
 ``wait_captured`` returns once that hook has *started*. The next ``capture``
 waits for the whole previous cycle, so a slot is never reused mid-transfer.
 
-Errors in the worker are recorded and raised as :class:`CaptureError` (naming
-the step) on the caller's next call; they are never swallowed.
+Errors of the worker's copy are recorded and raised as :class:`CaptureError`
+(naming the step) on the caller's next call; they are never swallowed.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ too, and which parameters had no state yet), the parameter groups'
 hyper-parameters, the LR scheduler's and the AMP grad scaler's state, and the
 buffers of ``module`` (BatchNorm statistics, counters: a failed attempt's
 forward has already changed them in place, so a retry must start from the
-values before it). Buffers are copied at ``begin`` on the caller's thread (the forward that
-follows changes them; a device copy on the current stream on a GPU), the rest
-in the background. The
-tensors are captured by GEMINI's :class:`~lm_resiliency.capture.engine.CaptureEngine`
-(one slot): one flat pre-faulted host arena (page-locked when CUDA is present),
-device tensors copied on a side stream, host tensors by the engine's worker
-thread, so the copy runs while the step computes.
+values before it). Buffers are copied at ``begin`` on the caller's thread (the
+forward that follows changes them; on a GPU a device copy on the current
+stream); the other tensors are captured by GEMINI's
+:class:`~lm_resiliency.capture.engine.CaptureEngine` (one slot): one flat
+pre-faulted host arena (page-locked when CUDA is present), device tensors
+copied on a side stream, host tensors by the engine's worker thread, so the
+copy runs while the step computes.
 """
 
 from __future__ import annotations
