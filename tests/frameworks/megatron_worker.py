@@ -58,6 +58,8 @@ def main() -> int:
             final.update({f"optim.{i}.{j}.{k}": v for k, v in st.items()})
     for name, param in chunk.named_parameters():
         final[f"param.{name}"] = param
+    for name, buf in torch.nn.Module.named_buffers(chunk):  # Megatron's DDP shadows .buffers
+        final[f"buffer.{name}"] = buf
     for name, state in get_cuda_rng_tracker().get_states().items():
         final[f"rng.{name}"] = state
     final["rng.default"] = torch.get_rng_state()

@@ -6,7 +6,8 @@ folder). After step 7 every rank has persisted step 6 (its own partition and
 the replica of its peer's); rank 1 then loses its node folder and SIGKILLs
 itself; torchrun restarts the group. Rank 1's partition can only come back
 from rank 0, its peer. The final masters, Adam state, low-precision params, LR
-and step counter must equal a fault-free run's bit for bit.
+and step counter, and (ZeRO-1 and 3, in fp32) the BatchNorm statistics (module
+buffers) must equal a fault-free run's bit for bit.
 
 The fallback case captures nothing with GEMINI (interval beyond the run) and
 saves DeepSpeed checkpoints every 4 steps: the restarted job resumes from
@@ -116,4 +117,10 @@ def test_durable_fallback_resumes_from_deepspeeds_checkpoint(jobs: _Jobs) -> Non
         resumed = fallback.reports[(1, rank)]
         assert (resumed["source"], resumed["start_step"]) == ("fallback", 4)
         assert resumed["sources"] == ["fallback", "fallback"]
-    assert_bit_identical(fallback, jobs.reference(stage))
+    # DeepSpeed's checkpoint holds rank 0's module only (mp_rank_00_model_states.pt), so
+    # every rank loads rank 0's BatchNorm statistics: rank 1's own are lost there (GEMINI
+    # captures them per rank). Rank 0 is compared in full, rank 1 without its buffers.
+    compared = assert_bit_identical(
+        fallback, jobs.reference(stage), skip=lambda rank, key: rank == 1 and "buffer." in key
+    )
+    assert compared >= 2 * (4 + 6 + 2), compared

@@ -20,7 +20,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["SavedBuffers", "restore_buffers", "save_buffers", "snapshot_buffers"]
+from lm_resiliency.errors import ConfigError
+
+__all__ = [
+    "SavedBuffers",
+    "load_persistent_buffers",
+    "persistent_buffers",
+    "restore_buffers",
+    "save_buffers",
+    "snapshot_buffers",
+]
 
 SavedBuffers = list[tuple[torch.nn.Module, str, torch.Tensor | None, torch.Tensor | None]]
 """(owning module, buffer name, the buffer object, a copy of its value) per buffer."""
@@ -55,3 +64,63 @@ def restore_buffers(saved: SavedBuffers) -> None:
                 owner._buffers[name] = buf
             if buf is not None and value is not None:
                 buf.copy_(value)
+
+
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies, taken now, of the buffers ``module.state_dict()`` would hold, by the same names.
+
+    For adapters whose state is not the module's ``state_dict()`` (DeepSpeed,
+    Megatron: the optimizer's master partitions are the parameters' truth), so
+    that BatchNorm statistics and other persistent buffers are captured too.
+    Non-persistent buffers (rotary caches) are derived state and are left out.
+    """
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for prefix, owner in module.named_modules():
+            skip = owner._non_persistent_buffers_set
+            for name, buf in owner._buffers.items():
+                if buf is not None and name not in skip:
+                    out[f"{prefix}.{name}" if prefix else name] = buf.detach().clone()
+    return out
+
+
+def load_persistent_buffers(
+    module: torch.nn.Module, saved: dict[str, torch.Tensor] | None, *, what: str
+) -> None:
+    """Copy ``saved`` (from :func:`persistent_buffers`) into ``module``'s buffers, in place.
+
+    ``saved`` is ``None`` for a capture taken without buffers (an older version):
+    accepted only when the module has no persistent buffers. Raises
+    ``ConfigError``, before anything is written, when the names, shapes or dtypes
+    differ from the module's.
+    """
+    live = {}
+    for prefix, owner in module.named_modules():
+        skip = owner._non_persistent_buffers_set
+        for name, buf in owner._buffers.items():
+            if buf is not None and name not in skip:
+                live[f"{prefix}.{name}" if prefix else name] = buf
+    if saved is None:
+        if live:
+            raise ConfigError(
+                f"{what}: the checkpoint holds no module buffers but the model has "
+                f"{sorted(live)[:4]} (captured by an lm-resiliency version that left them out); "
+                "resume from the durable checkpoint instead"
+            )
+        return
+    if set(saved) != set(live):
+        missing, extra = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+        raise ConfigError(
+            f"{what}: the checkpoint's module buffers differ from the model's (missing "
+            f"{missing[:4]}, unexpected {extra[:4]}); restore into the same model"
+        )
+    for name, buf in live.items():
+        value = saved[name]
+        if value.shape != buf.shape or value.dtype != buf.dtype:
+            raise ConfigError(
+                f"{what}: buffer {name} was captured as {tuple(value.shape)} {value.dtype} but "
+                f"the model has {tuple(buf.shape)} {buf.dtype}; restore into the same model"
+            )
+    with torch.no_grad():
+        for name, buf in live.items():
+            buf.copy_(saved[name])

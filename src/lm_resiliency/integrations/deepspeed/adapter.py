@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lm_resiliency.capture.buffers import load_persistent_buffers, persistent_buffers
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.integrations._inner_hooks import bind_deferred_steps
 from lm_resiliency.integrations._optim_state import (
@@ -108,10 +109,14 @@ class DeepSpeedAdapter(AdapterBase):
             "param_groups": capture_hparams(view.inner),
             "engine": {name: int(getattr(self.engine, name)) for name in _COUNTERS},
             "lr_scheduler": None if sched is None else sched.state_dict(),
+            # Copied now: buffers change inside the next forward (BatchNorm statistics).
+            "buffers": persistent_buffers(self.engine.module),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._check_identity(state["identity"])
+        # Checked in full before anything is written (then the buffers are written first).
+        load_persistent_buffers(self.engine.module, state.get("buffers"), what="DeepSpeed")
         view = self.view
         view.before_restore()
         with torch.no_grad():

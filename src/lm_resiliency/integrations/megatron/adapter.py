@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lm_resiliency.capture.buffers import load_persistent_buffers, persistent_buffers
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.integrations._inner_hooks import bind_deferred_steps
 from lm_resiliency.integrations._optim_state import (
@@ -92,12 +93,23 @@ class MegatronAdapter(AdapterBase):
             ],
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "rng_tracker": dict(get_cuda_rng_tracker().get_states()),
+            # Copied now: buffers change inside the next forward (BatchNorm statistics).
+            "buffers": [persistent_buffers(chunk) for chunk in self.chunks],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         self._check_identity(state["identity"])
+        saved_buffers = state.get("buffers") or [None] * len(self.chunks)
+        if len(saved_buffers) != len(self.chunks):
+            raise ConfigError(
+                f"Megatron: the checkpoint holds buffers of {len(saved_buffers)} model chunks but "
+                f"the model has {len(self.chunks)}; restore into the same model"
+            )
+        for chunk, buffers in zip(self.chunks, saved_buffers, strict=True):
+            # Checked in full before anything is written (then the buffers are written first).
+            load_persistent_buffers(chunk, buffers, what="Megatron")
         saved_sched = state["scheduler"]
         if (self.scheduler is None) != (saved_sched is None):
             raise ConfigError(
