@@ -14,6 +14,12 @@ In one run, on real Gloo ranks (CPU):
   slowest peer to arrive, mostly scheduling noise on a shared machine) and once
   more right after a barrier (SCOUT's own cost: replay + exchange), which the
   accounted overhead uses;
+* the physical floor: one block's forward and backward through its normal call path
+  on the replay's own inputs, without SCOUT's isolation, digest or exchange (the
+  compute a one-block-per-check replay cannot avoid), timed on every rank for
+  every block next to SCOUT's replay of the same block; the floor's share of the
+  step (the mean block over the interval) is the overhead no implementation of a
+  rotating forward-and-backward replay can go below;
 * time per check (median, p90), bytes exchanged per check, re-runs;
 * detection latency: a persistent SDC is injected on rank 1 into a random block
   from a random step; the number of steps until a check reports it (the rotation
@@ -38,6 +44,8 @@ import torch.distributed as dist
 
 from lm_resiliency.demo import training as demo
 from lm_resiliency.detection import Scout, ScoutConfig, ScoutStatus
+from lm_resiliency.detection.replay import draw_inputs, flatten_tensors, module_device, replay
+from lm_resiliency.detection.signature import CallSignature, decode, encode
 from lm_resiliency.faults import ComputeFaults, PersistentSDC
 from lm_resiliency.models import GPTConfig, SyntheticTokens, TinyGPT
 from lm_resiliency.testing import run_distributed
@@ -119,6 +127,7 @@ def _overhead(rank: int, world: int, rounds: int, steps: int, model: str) -> dic
                 times[mode].append(time.perf_counter() - t0)
     _paused(scout, False)
     hook = _hook_cost(trainer, scout)
+    floor = _floor(scout)
     scout.close()
     return {
         "times": times,
@@ -129,7 +138,77 @@ def _overhead(rank: int, world: int, rounds: int, steps: int, model: str) -> dic
         "statuses": statuses,
         "hook_s": hook,
         "blocks": len(scout.blocks),
+        "floor": floor,
     }
+
+
+def _bare(module: torch.nn.Module, sig: CallSignature, seed: int) -> float:
+    """Seconds of one forward and backward of ``module`` on the replay's inputs: nothing else.
+
+    The same inputs SCOUT's replay draws, then ``module(*args)`` and
+    ``torch.autograd.grad`` over the inputs and parameters; no RNG fork, no buffer
+    save, no deterministic mode, no digest (the work any replay must do).
+    """
+    device = module_device(module)
+    params = [p for p in module.parameters() if p.requires_grad]
+    torch.manual_seed(seed)
+    with torch.enable_grad():
+        args, kwargs, leaves = draw_inputs(sig, device)
+        enabled, dtype = sig.autocast
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=enabled):
+            out = module(*args, **kwargs)
+        flat: list[torch.Tensor] = []
+        flatten_tensors(out, flat)
+        diff = [o for o in flat if o.requires_grad and o.is_floating_point()]
+        if diff and leaves + params:
+            torch.autograd.grad(
+                diff, leaves + params, [torch.randn_like(o) for o in diff], allow_unused=True
+            )
+        return time.perf_counter() - t0
+
+
+def _floor(scout: Scout, reps: int = 15) -> dict[str, Any]:
+    """Per block, the median of SCOUT's replay and of the bare forward+backward (collective).
+
+    Rank 0 (the source) shares the signatures it recorded; every rank then runs
+    both, interleaved, in lockstep (a barrier per repetition), so both see the same
+    contention as a check does.
+    """
+    docs: list[Any] = [None]
+    if scout.recorder is not None:
+        docs = [[_enc(scout.recorder.signature(b.index)) for b in scout.blocks]]
+    dist.broadcast_object_list(docs, src=0, group=scout.channel.world)
+    sigs = [None if d is None else decode(d) for d in docs[0]]
+    for r in scout.executor.recorders:
+        r.paused = True
+    rows = []
+    for b, sig in zip(scout.blocks, sigs, strict=True):
+        if sig is None:
+            continue
+        bare, rep = [], []
+        for i in range(reps + 2):
+            dist.barrier(group=scout.channel.world)
+            t = _bare(b.module, sig, i)
+            dist.barrier(group=scout.channel.world)
+            o = replay(b.module, sig, seed=i)
+            if i >= 2:  # warm-up
+                bare.append(t)
+                rep.append(o.seconds)
+        rows.append(
+            {
+                "block": b.label,
+                "bare_s": statistics.median(bare),
+                "replay_s": statistics.median(rep),
+            }
+        )
+    for r in scout.executor.recorders:
+        r.paused = False
+    return {"blocks": rows}
+
+
+def _enc(sig: CallSignature | None) -> Any:
+    return None if sig is None else encode(sig)
 
 
 def _hook_cost(trainer: Trainer, scout: Scout) -> float:
@@ -222,6 +301,12 @@ def _measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
     checks = [max(r["checks"][i] for r in res) for i in range(len(r0["checks"]))]
     aligned = [max(r["aligned"][i] for r in res) for i in range(len(r0["aligned"]))]
     hook = max(r["hook_s"] for r in res)
+    # The slowest rank's replay of each block is what a check waits for.
+    n_blocks = len(r0["floor"]["blocks"])
+    bare = [max(r["floor"]["blocks"][i]["bare_s"] for r in res) for i in range(n_blocks)]
+    rep = [max(r["floor"]["blocks"][i]["replay_s"] for r in res) for i in range(n_blocks)]
+    accounted = (statistics.fmean(aligned) / INTERVAL + hook) / off
+    floor_share = statistics.fmean(bare) / INTERVAL / off if bare else float("nan")
     return {
         "model": model,
         "blocks": r0["blocks"],
@@ -233,7 +318,16 @@ def _measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "check_s_p90": sorted(checks)[int(0.9 * (len(checks) - 1))],
         "check_s_aligned_median": statistics.median(aligned),
         "hook_s_per_step": hook,
-        "accounted_overhead": (statistics.fmean(aligned) / INTERVAL + hook) / off,
+        "accounted_overhead": accounted,
+        "floor_block_s_mean": statistics.fmean(bare) if bare else None,
+        "replay_block_s_mean": statistics.fmean(rep) if rep else None,
+        "replay_over_floor": statistics.fmean(rep) / statistics.fmean(bare) if bare else None,
+        "floor_overhead": floor_share,
+        "accounted_over_floor": accounted / floor_share if bare else None,
+        "floor_per_block": [
+            {"block": r0["floor"]["blocks"][i]["block"], "bare_s": bare[i], "replay_s": rep[i]}
+            for i in range(n_blocks)
+        ],
         "accounted_overhead_with_skew": (statistics.fmean(checks) / INTERVAL + hook) / off,
         "bytes_per_check_median": statistics.median(r0["bytes"]),
         "reruns": r0["reruns"],
@@ -274,6 +368,20 @@ def main() -> None:
             f"  accounted overhead: {m['accounted_overhead'] * 100:.2f} % of step time"
             f" (target <= 1 %); with the peers' arrival skew"
             f" {m['accounted_overhead_with_skew'] * 100:.2f} %"
+        )
+        print(
+            f"  physical floor: a block's bare forward+backward {m['floor_block_s_mean'] * 1e3:.2f}"
+            f" ms mean over the blocks; SCOUT's replay {m['replay_block_s_mean'] * 1e3:.2f} ms"
+            f" (ratio {m['replay_over_floor']:.2f}); floor share of the step"
+            f" {m['floor_overhead'] * 100:.2f} %; accounted overhead / floor"
+            f" {m['accounted_over_floor']:.2f}"
+        )
+        print(
+            "    per block (bare / replay, ms): "
+            + ", ".join(
+                f"{b['block']} {b['bare_s'] * 1e3:.2f}/{b['replay_s'] * 1e3:.2f}"
+                for b in m["floor_per_block"]
+            )
         )
         print(
             f"  bytes exchanged per check: {m['bytes_per_check_median']:.0f}; re-runs:"

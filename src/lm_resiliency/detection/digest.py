@@ -71,14 +71,24 @@ def digest_tensors(tensors: Iterable[torch.Tensor | None]) -> int:
         t: torch.Tensor = local() if callable(local) else item
         h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
         if t.device.type == "cpu":
-            flat = t.detach().contiguous().reshape(-1)
-            h.update(flat.view(torch.uint8).numpy().data)
+            h.update(_host_bytes(t))
         else:
             device_sums.extend(_device_sums(t))
     if device_sums:
         host = torch.stack(device_sums).cpu()
         h.update(host.numpy().data)
     return h.value()
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor in memory order, without a copy when it is contiguous."""
+    flat = t.detach()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    try:
+        return flat.numpy().data  # numpy-representable dtypes: no reshape or view needed
+    except TypeError:  # bfloat16, float8, ...: numpy has no such dtype; hash the bytes
+        return flat.reshape(-1).view(torch.uint8).numpy().data
 
 
 class _Crc64:

@@ -135,15 +135,29 @@ def _materialize(
     return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
 
 
-def _flatten(value: Any, out: list[torch.Tensor]) -> None:
+def draw_inputs(
+    sig: CallSignature, device: torch.device
+) -> tuple[list[Any], dict[str, Any], list[torch.Tensor]]:
+    """The replay's inputs for ``sig`` from the current RNG: ``(args, kwargs, leaves)``.
+
+    ``leaves``: the floating-point inputs that require gradients, in order.
+    """
+    leaves: list[torch.Tensor] = []
+    args = [_materialize(a, device, leaves) for a in sig.args]
+    kwargs = {k: _materialize(v, device, leaves) for k, v in sig.kwargs}
+    return args, kwargs, leaves
+
+
+def flatten_tensors(value: Any, out: list[torch.Tensor]) -> None:
+    """Append every tensor in ``value`` (nested tuples, lists, dicts by key) to ``out``."""
     if isinstance(value, torch.Tensor):
         out.append(value)
     elif isinstance(value, (tuple, list)):
         for v in value:
-            _flatten(v, out)
+            flatten_tensors(v, out)
     elif isinstance(value, dict):
         for k in sorted(value, key=str):
-            _flatten(value[k], out)
+            flatten_tensors(value[k], out)
 
 
 def _sync(device: torch.device) -> None:
@@ -163,15 +177,13 @@ def replay(module: nn.Module, sig: CallSignature, *, seed: int) -> ReplayOutcome
         with isolated(module, seed=seed):
             _sync(device)
             t0 = time.perf_counter()
-            leaves: list[torch.Tensor] = []
-            args = [_materialize(a, device, leaves) for a in sig.args]
-            kwargs = {k: _materialize(v, device, leaves) for k, v in sig.kwargs}
+            args, kwargs, leaves = draw_inputs(sig, device)
             enabled, dtype = sig.autocast
             cast = torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=enabled)
             with cast:
                 out = module(*args, **kwargs)
             outputs: list[torch.Tensor] = []
-            _flatten(out, outputs)
+            flatten_tensors(out, outputs)
             diff = [o for o in outputs if o.requires_grad and o.is_floating_point()]
             inputs = leaves + params
             grads: tuple[torch.Tensor | None, ...] = ()
