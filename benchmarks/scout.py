@@ -142,7 +142,7 @@ def _overhead(rank: int, world: int, rounds: int, steps: int, model: str) -> dic
     }
 
 
-def _bare(module: torch.nn.Module, sig: CallSignature, seed: int) -> float:
+def bare_pass(module: torch.nn.Module, sig: CallSignature, seed: int) -> float:
     """Seconds of one forward and backward of ``module`` on the replay's inputs: nothing else.
 
     The same inputs SCOUT's replay draws, then ``module(*args)`` and
@@ -189,7 +189,7 @@ def _floor(scout: Scout, reps: int = 15) -> dict[str, Any]:
         bare, rep = [], []
         for i in range(reps + 2):
             dist.barrier(group=scout.channel.world)
-            t = _bare(b.module, sig, i)
+            t = bare_pass(b.module, sig, i)
             dist.barrier(group=scout.channel.world)
             o = replay(b.module, sig, seed=i)
             if i >= 2:  # warm-up

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU-only checks (CUDA capture path, pinned arenas, MTGS shadow and transactions on CUDA);
+# GPU-only checks (CUDA capture path, pinned arenas, SCOUT replays, MTGS shadow and
+# transactions on CUDA);
 # CI never runs this. Uses the machine's own torch; crc32c (persistence only) is not needed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +16,10 @@ rc=${PIPESTATUS[0]}
 # The memory tier on a GPU host: NCCL default group, cudaHostRegister per GiB, a
 # restarted process re-attaching and re-registering (~1 min).
 python3 scripts/gpu_memory_check.py 2>&1 | tee -a "${OUT:-/tmp}/gpu_check.log"
+rc=$(( rc || PIPESTATUS[0] ))
+# SCOUT on the GPU: replays reproducible and agreeing across two DDP ranks (fp32, bf16
+# autocast), training RNG untouched, a persistent SDC found, the replay's floor (~1 min).
+python3 scripts/gpu_scout_check.py 2>&1 | tee -a "${OUT:-/tmp}/gpu_check.log"
 rc=$(( rc || PIPESTATUS[0] ))
 # The test suite's CUDA-only tests (skipped on CPU machines).
 python3 -m pytest -q -p no:cacheprovider -k "cuda" \
