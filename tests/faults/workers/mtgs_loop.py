@@ -20,29 +20,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lm_resiliency import InMemoryCkptConfig, MTGSConfig, enable_resiliency
-from lm_resiliency.distributed import init_process_group, restart_count
+from lm_resiliency.distributed import restart_count
 from lm_resiliency.faults import FaultInjector
-from lm_resiliency.models import GPTConfig, SyntheticTokens, TinyGPT
+from lm_resiliency.models import SyntheticTokens, TinyGPT
 
-MODEL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
-
-
-def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    inputs, targets = batch
-    loss: torch.Tensor = model(inputs, targets)
-    return loss
-
-
-def main() -> int:
-    torch.set_num_threads(1)
-    init_process_group("gloo")
-    train(sys.argv[1:])
-    dist.destroy_process_group()
-    return 0
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # as a script and as workers.<name>
+from _loop_common import MODEL, loss_fn, main, save_final
 
 
 def train(argv: list[str]) -> None:
@@ -82,13 +68,8 @@ def train(argv: list[str]) -> None:
         (args.out / f"retried-rank{rank}-attempt{attempt}.txt").write_text(json.dumps(retried))
     resiliency.close()
 
-    final = {f"param/{n}": t.detach().clone() for n, t in ddp_model.module.named_parameters()}
-    names = {id(t): n for n, t in ddp_model.module.named_parameters()}
-    for param, st in optimizer.state.items():
-        for key, value in st.items():
-            final[f"optim/{names[id(param)]}/{key}"] = value.detach().clone().reshape(-1)
-    save_file(final, str(args.out / f"final-rank{rank}.safetensors"))
+    save_final(args.out, rank, ddp_model, optimizer)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(train))
