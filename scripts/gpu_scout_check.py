@@ -138,11 +138,12 @@ def _rank(rank: int, world: int, kind: str, dtype: str | None, clean_rounds: int
 def _sdpa_backend(dev: torch.device, dtype: str | None) -> str:
     if dev.type != "cuda":
         return "cpu"
-    return (
-        f"flash={torch.backends.cuda.flash_sdp_enabled()} "
-        f"mem_efficient={torch.backends.cuda.mem_efficient_sdp_enabled()} "
-        f"cudnn={torch.backends.cuda.cudnn_sdp_enabled()} dtype={dtype or 'float32'}"
-    )
+    cuda = torch.backends.cuda
+    flags = {  # the SDPA backends this torch may choose (older builds lack some switches)
+        name: getattr(cuda, f"{name}_sdp_enabled", lambda: "n/a")()
+        for name in ("flash", "mem_efficient", "cudnn", "math")
+    }
+    return " ".join(f"{k}={v}" for k, v in flags.items()) + f" dtype={dtype or 'float32'}"
 
 
 def main() -> int:
