@@ -70,3 +70,23 @@ def test_a_capture_without_buffers_is_refused_when_the_model_has_some() -> None:
     with pytest.raises(ConfigError, match=r"holds no module buffers.*durable"):
         load_persistent_buffers(_trained(0), None, what="test")
     load_persistent_buffers(torch.nn.Linear(2, 2), None, what="test")  # nothing to restore
+
+
+def test_several_modules_are_all_checked_before_any_is_written() -> None:
+    # Megatron's model chunks: a mismatch in the second leaves the first untouched.
+    from lm_resiliency.capture.buffers import match_persistent_buffers, write_buffers
+
+    first, second = _trained(1), _trained(2)
+    want = {k: v.clone() for k, v in first.state_dict().items()}
+    saved = [persistent_buffers(_trained(0)), persistent_buffers(_trained(0))]
+    del saved[1]["norm.running_mean"]
+    with pytest.raises(ConfigError, match="missing"):
+        write_buffers(
+            [
+                pair
+                for module, values in zip((first, second), saved, strict=True)
+                for pair in match_persistent_buffers(module, values, what="test")
+            ]
+        )
+    for name, value in first.state_dict().items():
+        assert torch.equal(value, want[name]), name

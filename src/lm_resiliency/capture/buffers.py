@@ -25,10 +25,12 @@ from lm_resiliency.errors import ConfigError
 __all__ = [
     "SavedBuffers",
     "load_persistent_buffers",
+    "match_persistent_buffers",
     "persistent_buffers",
     "restore_buffers",
     "save_buffers",
     "snapshot_buffers",
+    "write_buffers",
 ]
 
 SavedBuffers = list[tuple[torch.nn.Module, str, torch.Tensor | None, torch.Tensor | None]]
@@ -84,15 +86,15 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_persistent_buffers(
+def match_persistent_buffers(
     module: torch.nn.Module, saved: dict[str, torch.Tensor] | None, *, what: str
-) -> None:
-    """Copy ``saved`` (from :func:`persistent_buffers`) into ``module``'s buffers, in place.
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pair ``module``'s persistent buffers with ``saved`` (from :func:`persistent_buffers`).
 
-    ``saved`` is ``None`` for a capture taken without buffers (an older version):
-    accepted only when the module has no persistent buffers. Raises
-    ``ConfigError``, before anything is written, when the names, shapes or dtypes
-    differ from the module's.
+    Writes nothing. ``saved`` is ``None`` for a capture taken without buffers (an
+    older version): accepted only when the module has no persistent buffers.
+    Raises ``ConfigError`` when the names, shapes or dtypes differ from the
+    module's. Returns ``(live buffer, saved value)`` pairs.
     """
     live = {}
     for prefix, owner in module.named_modules():
@@ -107,7 +109,7 @@ def load_persistent_buffers(
                 f"{sorted(live)[:4]} (captured by an lm-resiliency version that left them out); "
                 "resume from the durable checkpoint instead"
             )
-        return
+        return []
     if set(saved) != set(live):
         missing, extra = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
         raise ConfigError(
@@ -121,6 +123,18 @@ def load_persistent_buffers(
                 f"{what}: buffer {name} was captured as {tuple(value.shape)} {value.dtype} but "
                 f"the model has {tuple(buf.shape)} {buf.dtype}; restore into the same model"
             )
+    return [(buf, saved[name]) for name, buf in live.items()]
+
+
+def write_buffers(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each saved value into its live buffer, in place (pairs from the matcher)."""
     with torch.no_grad():
-        for name, buf in live.items():
-            buf.copy_(saved[name])
+        for buf, value in pairs:
+            buf.copy_(value)
+
+
+def load_persistent_buffers(
+    module: torch.nn.Module, saved: dict[str, torch.Tensor] | None, *, what: str
+) -> None:
+    """:func:`match_persistent_buffers`, then write: nothing is written unless all match."""
+    write_buffers(match_persistent_buffers(module, saved, what=what))

@@ -27,7 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lm_resiliency.capture.buffers import load_persistent_buffers, persistent_buffers
+from lm_resiliency.capture.buffers import (
+    match_persistent_buffers,
+    persistent_buffers,
+    write_buffers,
+)
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.integrations._inner_hooks import bind_deferred_steps
 from lm_resiliency.integrations._optim_state import (
@@ -107,9 +111,13 @@ class MegatronAdapter(AdapterBase):
                 f"Megatron: the checkpoint holds buffers of {len(saved_buffers)} model chunks but "
                 f"the model has {len(self.chunks)}; restore into the same model"
             )
-        for chunk, buffers in zip(self.chunks, saved_buffers, strict=True):
-            # Checked in full before anything is written (then the buffers are written first).
-            load_persistent_buffers(chunk, buffers, what="Megatron")
+        # Every chunk's buffers are checked before any is written (then written first).
+        pairs = [
+            pair
+            for chunk, buffers in zip(self.chunks, saved_buffers, strict=True)
+            for pair in match_persistent_buffers(chunk, buffers, what="Megatron")
+        ]
+        write_buffers(pairs)
         saved_sched = state["scheduler"]
         if (self.scheduler is None) != (saved_sched is None):
             raise ConfigError(
