@@ -180,8 +180,7 @@ def _floor(scout: Scout, reps: int = 15) -> dict[str, Any]:
         docs = [[_enc(scout.recorder.signature(b.index)) for b in scout.blocks]]
     dist.broadcast_object_list(docs, src=0, group=scout.channel.world)
     sigs = [None if d is None else decode(d) for d in docs[0]]
-    for r in scout.executor.recorders:
-        r.paused = True
+    _paused(scout, True)
     rows = []
     for b, sig in zip(scout.blocks, sigs, strict=True):
         if sig is None:
@@ -202,8 +201,7 @@ def _floor(scout: Scout, reps: int = 15) -> dict[str, Any]:
                 "replay_s": statistics.median(rep),
             }
         )
-    for r in scout.executor.recorders:
-        r.paused = False
+    _paused(scout, False)
     return {"blocks": rows}
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from gpu_check import check, failures  # the PASS/FAIL printer of the other GPU checks
 from scout import bare_pass
 
 from lm_resiliency.detection import Scout, ScoutConfig, ScoutStatus
@@ -154,14 +155,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("FAIL no CUDA device (use --device cpu to validate the script)")
         return 1
-    failures: list[str] = []
     summary: dict[str, Any] = {"device": args.device}
-
-    def check(name: str, ok: bool, detail: str = "") -> None:
-        print(f"{'PASS' if ok else 'FAIL'} {name} {detail}")
-        if not ok:
-            failures.append(name)
-
     for dtype in (None, "bfloat16"):
         mode = dtype or "float32"
         t0 = time.perf_counter()

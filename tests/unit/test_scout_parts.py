@@ -108,6 +108,10 @@ def test_digest_covers_shape_order_and_missing_gradients() -> None:
     assert digest_tensors([a, b]) != digest_tensors([b, a])
     assert digest_tensors([a]) != digest_tensors([a.reshape(2, 2)])
     assert digest_tensors([a, None]) != digest_tensors([a])
+    t = torch.arange(12.0).reshape(3, 4)
+    assert digest_tensors([t.t()]) == digest_tensors([t.t().contiguous()])  # logical order
+    assert digest_tensors([t.t()]) != digest_tensors([t.reshape(4, 3)])
+    assert digest_tensors([torch.tensor(3.0)]) != digest_tensors([torch.tensor(4.0)])
 
 
 # -- replay isolation -------------------------------------------------------------------

@@ -68,6 +68,17 @@ def restore_buffers(saved: SavedBuffers) -> None:
                 buf.copy_(value)
 
 
+def _persistent(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The live buffers ``module.state_dict()`` would hold, by the same names."""
+    live: dict[str, torch.Tensor] = {}
+    for prefix, owner in module.named_modules():
+        skip = owner._non_persistent_buffers_set
+        for name, buf in owner._buffers.items():
+            if buf is not None and name not in skip:
+                live[f"{prefix}.{name}" if prefix else name] = buf
+    return live
+
+
 def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies, taken now, of the buffers ``module.state_dict()`` would hold, by the same names.
 
@@ -76,14 +87,8 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     that BatchNorm statistics and other persistent buffers are captured too.
     Non-persistent buffers (rotary caches) are derived state and are left out.
     """
-    out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for prefix, owner in module.named_modules():
-            skip = owner._non_persistent_buffers_set
-            for name, buf in owner._buffers.items():
-                if buf is not None and name not in skip:
-                    out[f"{prefix}.{name}" if prefix else name] = buf.detach().clone()
-    return out
+        return {name: buf.detach().clone() for name, buf in _persistent(module).items()}
 
 
 def match_persistent_buffers(
@@ -96,12 +101,7 @@ def match_persistent_buffers(
     Raises ``ConfigError`` when the names, shapes or dtypes differ from the
     module's. Returns ``(live buffer, saved value)`` pairs.
     """
-    live = {}
-    for prefix, owner in module.named_modules():
-        skip = owner._non_persistent_buffers_set
-        for name, buf in owner._buffers.items():
-            if buf is not None and name not in skip:
-                live[f"{prefix}.{name}" if prefix else name] = buf
+    live = _persistent(module)
     if saved is None:
         if live:
             raise ConfigError(
