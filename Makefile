@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup extras demo test lint typecheck bench clean
+.PHONY: setup extras demo test check lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,10 +32,17 @@ extras: $(EXTRAS_STAMP)
 demo: $(STAMP)
 	$(BIN)/lm-resiliency demo $(DEMO_ARGS)
 
+LINTED := src tests benchmarks examples scripts
+
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy
+
+# The fast loop while developing (about 2 minutes): lint, types and every test that starts no
+# process. `make test` is the whole suite, and what CI runs.
+check: lint
+	$(BIN)/python -m pytest -q -m "not multiprocess and not slow"
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q

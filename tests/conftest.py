@@ -18,6 +18,17 @@ import pytest
 
 _SHM = Path("/dev/shm")
 
+# Folders whose every test starts real processes (Gloo ranks, torchrun, network namespaces):
+# marked ``multiprocess`` so that ``make check`` can leave them out; ``make test`` runs them all.
+_MULTIPROCESS_FOLDERS = ("distributed", "faults", "frameworks")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = item.path.relative_to(item.config.rootpath).parts
+        if len(parts) > 2 and parts[0] == "tests" and parts[1] in _MULTIPROCESS_FOLDERS:
+            item.add_marker(pytest.mark.multiprocess)
+
 
 @pytest.fixture(autouse=True)
 def _isolated_cwd(
