@@ -18,6 +18,7 @@ from lm_resiliency.capture import Layout
 from lm_resiliency.cli import demo
 from lm_resiliency.cli.main import build_parser, main
 from lm_resiliency.persistence import ShardStore
+from lm_resiliency.state import encode_state
 from lm_resiliency.testing.torchrun import CompletedRun, WorkerLog
 
 torch.set_num_threads(1)
@@ -113,7 +114,7 @@ def _folder(root: Path, *, integrity: bool) -> Path:
     layout = Layout.from_tensors([tensor], ["w"])
     for step in range(1, 4):
         store.write(owner_rank=0, step=step, layout=layout, arena=tensor.view(torch.uint8),
-                    state_document={})  # fmt: skip
+                    state_document=encode_state({"w": tensor}).document)  # fmt: skip
     store.close()
     return root
 

@@ -32,7 +32,7 @@ def test_clean_removes_stale_runs_and_never_a_live_one(
     _crashed_run("old", tmp_path)
     live = MemoryFolder(_isolated_memory_folder, run_id="busy", topology="b" * 64, rank=0)
     try:
-        runs = {r.name: r for r in scan_memory(_isolated_memory_folder)}
+        runs = {r.name: r for r in scan_memory(_isolated_memory_folder).runs}
         old = runs[ns.run_dir("old")]
         assert not old.live and old.run_id == "old"
         assert [s.state for s in old.ranks[0].slots] == ["COMMITTED"]
@@ -40,9 +40,9 @@ def test_clean_removes_stale_runs_and_never_a_live_one(
 
         mem = str(_isolated_memory_folder)
         assert main(["clean", "--stale", "--memory-folder", mem, "--dry-run"]) == 0
-        assert ns.run_dir("old") in {r.name for r in scan_memory(mem)}
+        assert ns.run_dir("old") in {r.name for r in scan_memory(mem).runs}
         assert main(["clean", "--stale", "--memory-folder", mem]) == 0
-        assert [r.name for r in scan_memory(mem)] == [ns.run_dir("busy")]
+        assert [r.name for r in scan_memory(mem).runs] == [ns.run_dir("busy")]
         assert main(["clean", "--run", "busy", "--memory-folder", mem]) == 1  # kept: live
         assert "a live process holds it" in capsys.readouterr().out
         assert live.path.is_dir()
@@ -57,7 +57,7 @@ def test_clean_can_also_remove_a_runs_files(tmp_path: Path, _isolated_memory_fol
     args = ["--memory-folder", str(_isolated_memory_folder), "--disk-folder", str(disk)]
     assert main(["clean", "--run", "gone", *args]) == 0
     assert not (disk / ns.run_dir("gone")).exists()
-    assert scan_memory(_isolated_memory_folder) == []
+    assert scan_memory(_isolated_memory_folder).runs == []
 
 
 def test_inspect_lists_memory_slots_next_to_files(

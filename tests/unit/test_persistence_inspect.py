@@ -12,6 +12,7 @@ import torch
 from lm_resiliency.capture import Layout
 from lm_resiliency.cli.main import main
 from lm_resiliency.persistence import ShardStore, TrustStatus
+from lm_resiliency.state import encode_state
 
 torch.set_num_threads(1)
 
@@ -27,7 +28,7 @@ def _populate(root: Path) -> ShardStore:
                 step=step,
                 layout=layout,
                 arena=arena,
-                state_document={},
+                state_document=encode_state({"w": torch.empty(1024)}).document,
                 trust=trust,
             )
     store.mark_verified(10)

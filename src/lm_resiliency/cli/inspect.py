@@ -11,7 +11,7 @@ from typing import Any
 
 from lm_resiliency.config import default_memory_folder
 from lm_resiliency.errors import UnsafePathError
-from lm_resiliency.memory.catalog import MemoryRun, scan_memory
+from lm_resiliency.memory.catalog import MemoryScan, SlotInfo, scan_memory
 from lm_resiliency.memory.catalog import to_json as memory_json
 from lm_resiliency.persistence.catalog import RunInfo, ShardInfo, problems, scan, to_json
 from lm_resiliency.persistence.trust_view import TopologyTrust, trust_report
@@ -25,15 +25,17 @@ def register(subparsers: Any) -> None:
         description=(
             "List every run, topology, generation (step) and rank shard under DIR with its size "
             "and trust status, plus each rank's status sidecar. Headers are always validated "
-            "(format, identity, tensor table, size); --verify also reads every shard and checks "
+            "(format, identity, tensor table, size, state document) and memory slots are judged "
+            "by recovery's own readers; --verify also reads every shard and slot and checks "
             "its CRC-32C values. Entries owned by another user, writable by group or others, "
             "or of the wrong kind (a symlink, a FIFO) are problems. Read-only; run it as the "
             "job's user."
         ),
         epilog=(
-            "exit status: 0 every shard usable (with --verify: and every CRC checked); "
-            "1 a shard is unavailable or an entry is unsafe; 2 DIR cannot be read or is itself "
-            "unsafe; 3 (--verify only) everything usable, but some shards were written without "
+            "exit status: 0 every shard and memory slot usable (with --verify: and every CRC "
+            "checked); 1 a shard or slot is one recovery refuses, or an entry is unsafe or "
+            "unknown; 2 DIR or the memory folder cannot be read, or DIR is itself unsafe; "
+            "3 (--verify only) everything usable, but some shards or slots were written without "
             "checksums, so their data was NOT verified (write with verify_integrity=True)"
         ),
     )
@@ -59,11 +61,17 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, UnsafePathError) as exc:
         print(f"lm-resiliency inspect: error: cannot read {args.dir}: {exc}", file=sys.stderr)
         return 2
-    memory = scan_memory(args.memory_folder)
+    memory = scan_memory(args.memory_folder, verify=args.verify)
     trust = trust_report(args.dir)
     unverified = _unverified(runs) if args.verify else []
-    bad_slots = [s for r in memory for rank in r.ranks for s in rank.slots if s.problem]
-    code = 1 if problems(runs) or bad_slots else (EXIT_UNVERIFIED if unverified else 0)
+    slots_unverified = _unverified_slots(memory) if args.verify else []
+    memory_problems = _memory_problems(memory)
+    if memory.error is not None:
+        code = 2
+    elif problems(runs) or memory_problems:
+        code = 1
+    else:
+        code = EXIT_UNVERIFIED if unverified or slots_unverified else 0
     try:
         if args.json:
             doc = {
@@ -78,11 +86,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             _print_table(args.dir, runs, verify=args.verify)
             _print_trust(trust)
-            _print_memory(args.memory_folder, memory)
+            _print_memory(args.memory_folder, memory, memory_problems)
             if unverified:
                 print(
                     f"NOT verified: {len(unverified)} shard(s) have no checksums, so --verify "
                     "could not check their data (they were written with verify_integrity=False)"
+                )
+            if slots_unverified:
+                print(
+                    f"NOT verified: {len(slots_unverified)} memory slot(s) have no checksums, "
+                    "so --verify could not check their data"
                 )
         sys.stdout.flush()
     except BrokenPipeError:
@@ -102,6 +115,28 @@ def _unverified(runs: list[RunInfo]) -> list[ShardInfo]:
         for shard in gen.shards
         if shard.problem is None and not shard.checksums
     ]
+
+
+def _unverified_slots(memory: MemoryScan) -> list[SlotInfo]:
+    return [
+        slot
+        for run in memory.runs
+        for rank in run.ranks
+        if not rank.live
+        for slot in rank.slots
+        if slot.problem is None and not slot.verified_crc
+    ]
+
+
+def _memory_problems(memory: MemoryScan) -> list[str]:
+    """One line per refused slot and unsafe or unknown entry of the memory folder."""
+    out = [memory.error] if memory.error is not None else []
+    if memory.disk_markers:
+        out.append(
+            f"{memory.folder} is not a memory folder: it holds {memory.disk_markers[0]}, which "
+            "only a disk checkpoint folder holds"
+        )
+    return out + memory.all_problems()
 
 
 def _size(nbytes: int) -> str:
@@ -144,17 +179,18 @@ def _print_table(folder: str, runs: list[RunInfo], *, verify: bool) -> None:
         print(f"problem: {line}")
 
 
-def _print_memory(folder: str, runs: list[MemoryRun]) -> None:
-    if not runs:
+def _print_memory(folder: str, memory: MemoryScan, lines: list[str]) -> None:
+    if not memory.runs and not lines:
         print(f"{folder}: no memory slots")
-        return
-    for run in runs:
+    for run in memory.runs:
         print(f"memory run {run.name}  run_id={run.run_id!r}  in {folder}")
         print(f"    {'rank':>5}  {'slot':<12}  {'state':<10}  {'step':>8}  {'owner':>5}  size")
         for rank in run.ranks:
             live = "held by a live process" if rank.live else "no live process"
             for slot in rank.slots:
                 state = f"PROBLEM: {slot.problem}" if slot.problem else slot.state
+                if slot.verified_crc:
+                    state += ", CRC verified"
                 step = "-" if slot.step is None else str(slot.step)
                 owner = "-" if slot.owner_rank is None else str(slot.owner_rank)
                 print(
@@ -162,6 +198,8 @@ def _print_memory(folder: str, runs: list[MemoryRun]) -> None:
                     f"  {_size(slot.size_bytes)}"
                 )
             print(f"    rank {rank.rank}: {live}")
+    for line in lines:
+        print(f"problem: {line}")
 
 
 def _print_trust(topologies: list[TopologyTrust]) -> None:

@@ -424,7 +424,17 @@ def check_descriptor(fd: int, where: str) -> os.stat_result:
     return st
 
 
-def _validate(fd: int, expected: SlotIdentity, where: str) -> tuple[SlotRecord, int]:
+def read_record(fd: int, where: str) -> tuple[SlotRecord, int]:
+    """Validate open slot file ``fd`` exactly as :meth:`SlotFile.open_existing` does, but
+    for the identity (which the caller checks); return its record and arena size.
+
+    For tools that judge a slot from where it lies (``lm-resiliency inspect`` and
+    ``clean``). Raises :class:`SlotUnavailable`, or ``OSError`` when a read fails.
+    """
+    return _validate(fd, None, where)
+
+
+def _validate(fd: int, expected: SlotIdentity | None, where: str) -> tuple[SlotRecord, int]:
     size = check_descriptor(fd, where).st_size
     head = os.pread(fd, _PREFIX.size, 0)
     if len(head) < _PREFIX.size:
@@ -460,7 +470,7 @@ def _validate(fd: int, expected: SlotIdentity, where: str) -> tuple[SlotRecord, 
     doc = _strict_json(blob, where)
     record = _parse_record(doc, where)
     found = record.identity
-    if found != expected:
+    if expected is not None and found != expected:
         raise _fail(
             SlotReason.IDENTITY,
             where,

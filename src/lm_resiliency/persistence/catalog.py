@@ -4,8 +4,11 @@ Read-only and safe to run on a live folder: nothing is created, reaped or
 followed through a symlink, and nothing is opened that could block (a FIFO in
 place of a file is reported, not read). Each shard's header is validated
 (schema, version, identity against the manifests and its own location, tensor
-table, size); with ``verify=True`` its data is read and every CRC checked as
-well. Every entry is also judged like the library judges it before use
+table, size, and the state document as recovery decodes it:
+:func:`~lm_resiliency.persistence.document.check_state`); with ``verify=True`` its
+data is read and every CRC checked as well. A manifest that names another run
+or topology than its directory's is refused as the store refuses it. Every
+entry is also judged like the library judges it before use
 (:func:`lm_resiliency.persistence._safefs.judge`): an entry owned by another
 user, writable by group or others, or of the wrong kind is an
 :class:`EntryProblem` of the level that holds it. Run it as the job's user.
@@ -19,10 +22,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lm_resiliency.errors import ShardUnavailable, SidecarUnavailable, UnsafePathError
+from lm_resiliency.errors import (
+    IdentityMismatch,
+    ShardUnavailable,
+    SidecarUnavailable,
+    UnsafePathError,
+)
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence._safefs import entry_kind, judge, open_subdir, opened_dir
-from lm_resiliency.persistence.document import ShardIdentity
+from lm_resiliency.persistence.document import ShardIdentity, check_state
 from lm_resiliency.persistence.format import read_data
 from lm_resiliency.persistence.publish import TempName, TempScope, is_stale
 from lm_resiliency.persistence.sidecar import read_status
@@ -119,14 +127,24 @@ def _unsafe(dir_fd: int, name: str, where: Path) -> EntryProblem | None:
 
 
 def _manifest(dir_fd: int, name: str, where: Path, problems: list[EntryProblem]) -> str | None:
-    """The identity a manifest names (``None`` when absent, unreadable or unsafe)."""
+    """The identity a manifest names (``None`` when absent, unreadable, unsafe or foreign).
+
+    A manifest that names an identity whose directory is not the one holding it
+    (another run's ``run.json``) is a problem: the store refuses it
+    (:func:`~lm_resiliency.persistence.namespace.check_manifest`).
+    """
     try:
         doc = ns.read_manifest(dir_fd, name, where=str(where))
     except UnsafePathError as exc:
         problems.append(EntryProblem.of(exc))
         return None
-    key = "run_id" if name == ns.RUN_MANIFEST else "topology"
-    return _str(doc, key)
+    if doc is None:
+        return None
+    try:
+        return ns.check_manifest(doc, name, dir_name=where.parent.name, where=str(where))
+    except IdentityMismatch as exc:
+        problems.append(EntryProblem(str(where), "identity", str(exc)))
+        return None
 
 
 def _scan_run(root: Path, run: RunInfo, verify: bool) -> None:
@@ -139,11 +157,6 @@ def _scan_run(root: Path, run: RunInfo, verify: bool) -> None:
                 run.problems.append(problem)
             elif ns.is_topology_dir(topo):
                 run.topologies.append(_scan_topology(root, run.name, topo, run.run_id, verify))
-
-
-def _str(doc: dict[str, Any] | None, key: str) -> str | None:
-    value = (doc or {}).get(key)
-    return value if isinstance(value, str) else None
 
 
 def _scan_topology(
@@ -258,8 +271,11 @@ def _check(
             shard.trust = header.doc.trust.value
             shard.checksums = header.doc.integrity is not None
             if verify:
-                read_data(fd, header, path)
+                arena = read_data(fd, header, path)
+                check_state(header.doc, path, arena=arena)
                 shard.verified_crc = shard.checksums
+            else:
+                check_state(header.doc, path)
         finally:
             os.close(fd)
     except ShardUnavailable as exc:

@@ -33,6 +33,7 @@ from lm_resiliency.capture import Layout
 from lm_resiliency.errors import StateEncodingError, StateSchemaError
 from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
 from lm_resiliency.persistence.trust import TrustStatus
+from lm_resiliency.state import decode_state, validate_document
 
 _R = UnavailableReason
 FORMAT_VERSION = 3
@@ -258,6 +259,26 @@ def _parse_integrity(doc: dict[str, Any], path: str | Path) -> Integrity | None:
     ):
         raise bad
     return Integrity(chunk_bytes, tuple(int(c, 16) for c in chunks))
+
+
+def check_state(doc: ShardDocument, path: str | Path, *, arena: Any = None) -> None:
+    """Judge the shard's state document as recovery does before it uses it.
+
+    With ``arena`` (the shard's data, a flat ``uint8`` tensor) the document is
+    decoded with the layout's views, exactly as recovery's ``decode_state`` call
+    does; without, the same walk runs without the tensors
+    (:func:`~lm_resiliency.state.validate_document` with the layout's tensor
+    count). Raises ``ShardUnavailable`` (``schema``) naming the problem.
+    """
+    try:
+        if arena is None:
+            validate_document(doc.state, tensor_count=len(doc.layout.specs))
+        else:
+            decode_state(doc.state, doc.layout.views(arena))
+    except StateSchemaError as exc:
+        raise unavailable(
+            _R.SCHEMA, path, f"its state document is one recovery refuses: {exc}"
+        ) from None
 
 
 def check_identity(found: ShardIdentity, expected: ShardIdentity, path: str | Path) -> None:

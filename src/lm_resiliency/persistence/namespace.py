@@ -123,18 +123,44 @@ def read_manifest(dir_fd: int, name: str, *, where: str) -> dict[str, Any] | Non
     return doc if isinstance(doc, dict) else None
 
 
+_MANIFESTS = {
+    RUN_MANIFEST: (_RUN_KIND, "run_id", run_dir),
+    TOPOLOGY_MANIFEST: (_TOPOLOGY_KIND, "topology", topology_dir),
+}
+
+
+def _mismatch(where: str, key: str, found: object, wanted: str) -> IdentityMismatch:
+    return IdentityMismatch(
+        f"{where} names {key}={found!r:.200}, not {wanted}; the folder was altered or "
+        "reused by another run. Move it aside or choose another disk_folder"
+    )
+
+
+def check_manifest(doc: dict[str, Any], name: str, *, dir_name: str, where: str) -> str:
+    """The identity manifest ``name`` (``run.json`` or ``topology.json``) names, when it
+    is one the store accepts in directory ``dir_name``: the right kind, and an identity
+    whose directory name is ``dir_name``. For tools that do not know the identity
+    beforehand (``lm-resiliency inspect``); raises ``IdentityMismatch`` otherwise.
+    """
+    kind, key, dirname_of = _MANIFESTS[name]
+    value = doc.get(key)
+    if doc.get("kind") != kind or not isinstance(value, str) or not value:
+        raise _mismatch(where, key, value, f"a {kind} manifest")
+    if dirname_of(value) != dir_name:
+        raise _mismatch(where, key, value, f"the identity of its directory {dir_name}")
+    return value
+
+
 def _ensure(dir_fd: int, name: str, *, kind: str, key: str, value: str, where: str) -> None:
+    dir_name = os.path.basename(where)
     where = os.path.join(where, name)
     doc = read_manifest(dir_fd, name, where=where)
     if doc is None:
         body = {"kind": kind, "version": 1, key: value}
         publish_bytes(dir_fd, name, json.dumps(body, indent=1).encode() + b"\n")
         return
-    if doc.get("kind") != kind or doc.get(key) != value:
-        raise IdentityMismatch(
-            f"{where} names {key}={doc.get(key)!r}, not {value!r}; the folder was altered or "
-            "reused by another run. Move it aside or choose another disk_folder"
-        )
+    if check_manifest(doc, name, dir_name=dir_name, where=where) != value:
+        raise _mismatch(where, key, doc.get(key), repr(value))
 
 
 def ensure_run_manifest(dir_fd: int, run_id: str, *, where: str) -> None:
