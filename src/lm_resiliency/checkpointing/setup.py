@@ -84,11 +84,14 @@ def check_disk_folder(config: InMemoryCkptConfig) -> None:
         return
     folder = Path(config.disk_folder).absolute()
     probe = folder
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir() or os.access(probe, os.W_OK | os.X_OK):
-        return  # a file in the way is refused by the store, with its own message
-    read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    try:
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir() or os.access(probe, os.W_OK | os.X_OK):
+            return  # a file in the way is refused by the store, with its own message
+        read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        return  # cannot even look (a parent we may not enter): the store names that
     where = "is on a read-only filesystem" if read_only else "is not writable by this user"
     target = "it" if probe == folder else f"its parent {probe}"
     action = "write checkpoint files into it" if probe == folder else "create it"
