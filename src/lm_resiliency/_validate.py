@@ -13,7 +13,8 @@ checked against its annotation, then against its :class:`Rule` if it has one:
 
 A rule runs only on a value that passed its type check and is not ``None``,
 so it can compare freely. Adding a field to a config is one annotation, plus
-one line in its rules table when it has a range. Messages keep one style:
+one line in its rules table when it has a range (a tuple of rules when a field
+has several conditions, each with its own message). Messages keep one style:
 ``<prefix><field>=<value!r> must be <type>[, e.g. <example>]`` for a wrong type
 and ``<prefix><field>=<value!r> <rule.says>`` for a value out of range.
 """
@@ -32,8 +33,9 @@ from pathlib import PurePath
 from typing import Any
 
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.knobs import MAX_WAIT_S
 
-__all__ = ["Rule", "at_least", "positive_time", "validate"]
+__all__ = ["Rule", "Rules", "at_least", "positive_time", "validate"]
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,19 @@ def at_least(minimum: int, says: str, example: str = "") -> Rule:
     return Rule(lambda v: v >= minimum, says, example)
 
 
+Rules = Rule | tuple[Rule, ...]
+"""What a rules table maps a field to: one rule, or several checked in order."""
+
+
 def positive_time(example: str) -> Rule:
-    """A finite number of seconds above zero (finiteness is the float type check)."""
-    says = f"is invalid; use a positive number of seconds, e.g. {example}"
-    return Rule(lambda v: v > 0, says, example)
+    """A number of seconds above zero and at most :data:`MAX_WAIT_S` (finiteness is the
+    float type check): every timer a bound reaches (``threading``, ``timedelta``, Gloo's
+    milliseconds) accepts it, where ``1e18`` would overflow one of them."""
+    says = (
+        f"is invalid; use a positive number of seconds up to {MAX_WAIT_S:.0f} (30 days), "
+        f"e.g. {example}"
+    )
+    return Rule(lambda v: 0 < v <= MAX_WAIT_S, says, example)
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -71,7 +82,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return hints
 
 
-def validate(obj: Any, rules: Mapping[str, Rule] | None = None, *, prefix: str = "") -> None:
+def validate(obj: Any, rules: Mapping[str, Rules] | None = None, *, prefix: str = "") -> None:
     """Check every dataclass field of ``obj`` against its annotation and its rule.
 
     Call from ``__post_init__``. Raises ``ConfigError`` (a ``ValueError``)
@@ -85,14 +96,17 @@ def validate(obj: Any, rules: Mapping[str, Rule] | None = None, *, prefix: str =
     for name in names:
         value = getattr(obj, name)
         hint = hints[name]
-        rule = rules.get(name)
+        given = rules.get(name, ())
+        checks = given if isinstance(given, tuple) else (given,)
+        rule = checks[0] if checks else None
         label = f"{prefix}{name}={value!r}"
         if not _accepts(value, hint):
             raise ConfigError(f"{label} must be {_describe(hint)}" + _example(rule))
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{label} must be a finite number" + _example(rule))
-        if rule is not None and value is not None and not rule.ok(value):
-            raise ConfigError(f"{label} {rule.says}")
+        for check in checks if value is not None else ():
+            if not check.ok(value):
+                raise ConfigError(f"{label} {check.says}")
 
 
 def _example(rule: Rule | None) -> str:

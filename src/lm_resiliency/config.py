@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lm_resiliency._validate import Rule, at_least, positive_time, validate
+from lm_resiliency._validate import Rule, Rules, at_least, positive_time, validate
+from lm_resiliency.errors import ConfigError
 from lm_resiliency.knobs import REPLICATION_CHUNK_BYTES
 
 MiB = 1024 * 1024
@@ -16,8 +17,26 @@ RESUME_CHOICES = ("unfinished", "finished")
 
 
 def default_memory_folder() -> str:
-    """``$LM_RESILIENCY_MEMORY_FOLDER`` if set, else ``/dev/shm/lm-resiliency``."""
+    """``$LM_RESILIENCY_MEMORY_FOLDER`` if set, else ``/dev/shm/lm-resiliency`` (as given:
+    the CLI's default; the config refuses a relative one, see :func:`_env_memory_folder`)."""
     return os.environ.get(MEMORY_FOLDER_ENV) or DEFAULT_MEMORY_FOLDER
+
+
+def _env_memory_folder() -> str:
+    """:func:`default_memory_folder`, refused with ``ConfigError`` when the variable is a
+    relative path: slots would land under the working directory, on disk, not in memory."""
+    value = default_memory_folder()
+    if not os.path.isabs(value):
+        raise ConfigError(
+            f"{MEMORY_FOLDER_ENV}={value!r} is not an absolute path (slots would land under "
+            "the working directory, on disk); set it to an absolute directory on a memory "
+            f"filesystem (tmpfs) such as {DEFAULT_MEMORY_FOLDER}, or unset it"
+        )
+    return value
+
+
+def _no_nul(v: str | Path) -> bool:
+    return "\0" not in str(v)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +71,8 @@ class InMemoryCkptConfig:
     (the signal and exit flush, ``flush_newest()`` and ``flush_on_close`` still write)."""
 
     disk_folder: str | Path = "./checkpoints"
-    """Node-local checkpoint directory."""
+    """Node-local checkpoint directory; it must be writable when anything is persisted
+    (``disk_flush_interval``, ``signal_flush`` or ``flush_on_close``)."""
 
     run_id: str | None = None
     """Stable identity of this run; ``None`` resolves from the launcher or agrees a fresh one."""
@@ -84,10 +104,11 @@ class InMemoryCkptConfig:
     copy_rate_limit_bytes_per_s: int | None = None
     """CPU path only: cap the background copy rate to protect foreground compute on few cores."""
 
-    memory_folder: str | Path | None = field(default_factory=default_memory_folder)
+    memory_folder: str | Path | None = field(default_factory=_env_memory_folder)
     """Node-local memory filesystem (tmpfs) for the slot arenas, so they outlive the process
     and a restarted worker recovers from memory; ``None`` = process memory (lost with it).
-    Default ``/dev/shm/lm-resiliency`` (or ``$LM_RESILIENCY_MEMORY_FOLDER``)."""
+    Default ``/dev/shm/lm-resiliency`` (or ``$LM_RESILIENCY_MEMORY_FOLDER``). An absolute
+    path: a relative one (``Path("")`` is ``.``) is refused."""
 
     memory_required: bool = False
     """Fail (``MemoryFolderFull``) instead of falling back to process memory when the memory
@@ -109,7 +130,7 @@ class InMemoryCkptConfig:
 
 
 #: Range rules per field (the type comes from the annotation; see ``lm_resiliency._validate``).
-_RULES = {
+_RULES: dict[str, Rules] = {
     "interval": at_least(
         1,
         "is invalid; use a positive number of optimizer steps between captures, e.g. interval=10",
@@ -131,10 +152,13 @@ _RULES = {
         "is invalid; use 0 to disable periodic flushes or a positive number of steps such as 100",
         "disk_flush_interval=100",
     ),
-    "disk_folder": Rule(
-        lambda v: bool(str(v)),
-        "is empty; use a node-local directory such as ./checkpoints",
-        'disk_folder="./checkpoints"',
+    "disk_folder": (
+        Rule(
+            lambda v: bool(str(v)),
+            "is empty; use a node-local directory such as ./checkpoints",
+            'disk_folder="./checkpoints"',
+        ),
+        Rule(_no_nul, "contains a NUL byte, which no path can hold; remove it"),
     ),
     "run_id": Rule(
         lambda v: bool(v.strip()) and "/" not in v,
@@ -151,11 +175,15 @@ _RULES = {
         f"is invalid; use one of {list(RESUME_CHOICES)}",
         'resume="unfinished"',
     ),
-    "memory_folder": Rule(
-        lambda v: bool(str(v)),
-        "is empty; use a tmpfs directory such as /dev/shm/lm-resiliency, or None for process "
-        "memory",
-        'memory_folder="/dev/shm/lm-resiliency"',
+    "memory_folder": (
+        Rule(
+            lambda v: bool(str(v)) and os.path.isabs(v),
+            "is not an absolute path (slots would land under the working directory, on disk); "
+            "use an absolute directory on a memory filesystem (tmpfs) such as "
+            "/dev/shm/lm-resiliency, or None for process memory",
+            'memory_folder="/dev/shm/lm-resiliency"',
+        ),
+        Rule(_no_nul, "contains a NUL byte, which no path can hold; remove it"),
     ),
     "copy_rate_limit_bytes_per_s": at_least(
         MiB,

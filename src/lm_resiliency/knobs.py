@@ -48,3 +48,9 @@ non-tensor document) extends the file instead."""
 MEMORY_LOCK_WAIT_S = 10.0
 """How long a new process waits for the previous owner of a rank's memory folder to exit
 (torchrun stops old workers before it starts new ones)."""
+
+MAX_WAIT_S = 30 * 24 * 3600.0
+"""Largest timeout or deadline a config accepts (``control_timeout_s`` and friends): far
+below what every timer it reaches can hold (``threading`` waits cap at ~2.9e2 years,
+``timedelta`` and Gloo's int64 milliseconds higher), and a wait longer than a month is a
+hang, not a bound."""

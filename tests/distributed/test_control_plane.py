@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import time
 
-from lm_resiliency import InMemoryCkptConfig
+import torch
+
+from lm_resiliency import InMemoryCkptConfig, enable_resiliency
 from lm_resiliency.errors import CollectiveTimeout
 from lm_resiliency.experimental import InMemoryCheckpointManager
+from lm_resiliency.knobs import MAX_WAIT_S
 from lm_resiliency.testing import run_distributed
 
 _TIMEOUT_S = 4.0
@@ -95,3 +98,47 @@ def test_a_folder_refused_on_one_rank_fails_every_rank_at_once(tmp_path) -> None
     assert out[0]["type"] == "ResiliencyError"
     assert "cannot open the memory folders on rank(s) [1]" in out[0]["error"]
     assert out[0]["after_s"] < 10  # not a timeout: the refusal was agreed at once
+
+
+def _enable_with_env(rank: int, world: int, tmp: str) -> dict:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # A short agreement bound: a rank left waiting fails in seconds, not after 300 s.
+    cfg = InMemoryCkptConfig(disk_folder=tmp, signal_flush=False, control_timeout_s=15)
+    try:
+        with enable_resiliency(model, opt, interval=1, config=cfg):
+            return {"type": None}
+    except Exception as exc:
+        return {"type": type(exc).__name__, "error": str(exc)}
+
+
+def test_a_bad_local_world_size_on_one_rank_is_the_named_error_on_every_rank(tmp_path) -> None:
+    # Rank 1's launcher environment is broken; before, rank 0 waited in the topology
+    # agreement and got a CollectiveTimeout that said nothing of LOCAL_WORLD_SIZE.
+    env = {1: {"LOCAL_WORLD_SIZE": "0"}}
+    out = run_distributed(_enable_with_env, 2, args=(str(tmp_path),), rank_env=env, timeout_s=90)
+    named = "LOCAL_WORLD_SIZE='0' is not a positive integer; fix the launcher environment"
+    assert out[1]["type"] == "ConfigError" and named in out[1]["error"], out[1]
+    assert out[0]["type"] == "ConfigError", out[0]
+    assert "cannot check this rank's environment on rank(s) [1]" in out[0]["error"]
+    assert f"rank 1: ConfigError: {named}" in out[0]["error"]
+
+
+def _longest_bounds(rank: int, world: int, tmp: str) -> int | None:
+    # The largest accepted bounds must be usable by Gloo, timedelta and the threads' waits.
+    cfg = InMemoryCkptConfig(
+        run_id="longest",
+        disk_folder=tmp,
+        signal_flush=False,
+        memory_folder=None,
+        control_timeout_s=MAX_WAIT_S,
+        replication_timeout_s=MAX_WAIT_S,
+    )
+    with InMemoryCheckpointManager(cfg) as m:
+        m.save({"w": torch.full((4,), float(rank))}, 2)
+        m.maybe_wait()
+        return m.find_latest()
+
+
+def test_the_largest_accepted_timeouts_work_with_real_gloo_ranks(tmp_path) -> None:
+    assert run_distributed(_longest_bounds, 2, args=(str(tmp_path),), timeout_s=90) == [2, 2]

@@ -12,6 +12,7 @@ import pytest
 from lm_resiliency import InMemoryCkptConfig
 from lm_resiliency._validate import Rule, positive_time, validate
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.knobs import MAX_WAIT_S
 from lm_resiliency.transactions import MTGSConfig
 
 
@@ -107,3 +108,49 @@ def test_the_mechanism_checks_new_field_shapes(kwargs: dict[str, object], messag
     assert message in str(info.value)
     ok = _Future(memory_folder=Path("/dev/shm"), control_timeout_s=1, level="high")
     assert ok.level == "high"
+
+
+# --- issue 20: bad input refused up front ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["control_timeout_s", "replication_timeout_s",
+                                  "signal_flush_deadline_s"])  # fmt: skip
+def test_a_timeout_too_large_for_any_timer_is_refused_with_the_range(name: str) -> None:
+    # 1e18 s passed validation and overflowed timedelta/Gloo at the first collective.
+    with pytest.raises(ConfigError) as info:
+        InMemoryCkptConfig(**{name: 1e18})  # type: ignore[arg-type]
+    assert f"{name}=1e+18 is invalid; use a positive number of seconds up to 2592000" in str(
+        info.value
+    )
+    assert getattr(InMemoryCkptConfig(**{name: MAX_WAIT_S}), name) == MAX_WAIT_S
+
+
+@pytest.mark.parametrize("name", ["disk_folder", "memory_folder"])
+@pytest.mark.parametrize("kind", [str, Path])
+def test_a_nul_byte_in_a_folder_is_refused(name: str, kind: type) -> None:
+    value = kind("/dev/shm/ck\0pt")
+    with pytest.raises(ConfigError) as info:
+        InMemoryCkptConfig(**{name: value})
+    assert f"{name}={value!r} contains a NUL byte" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [Path(""), "", "slots", Path("rel/slots"), "./shm"])
+def test_a_relative_memory_folder_is_refused(value: str | Path) -> None:
+    # Path("") is "." and wrote slots under the working directory.
+    with pytest.raises(ConfigError) as info:
+        InMemoryCkptConfig(memory_folder=value)
+    message = str(info.value)
+    assert f"memory_folder={value!r} is not an absolute path" in message
+    assert "absolute directory on a memory filesystem (tmpfs)" in message
+
+
+def test_a_relative_memory_folder_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LM_RESILIENCY_MEMORY_FOLDER", "shm/slots")
+    with pytest.raises(ConfigError) as info:
+        InMemoryCkptConfig()
+    message = str(info.value)
+    assert "LM_RESILIENCY_MEMORY_FOLDER='shm/slots' is not an absolute path" in message
+    assert "absolute directory on a memory filesystem (tmpfs)" in message
+    # The variable is only the default: an explicit folder (or None) does not read it.
+    assert InMemoryCkptConfig(memory_folder="/dev/shm/x").memory_folder == "/dev/shm/x"
+    assert InMemoryCkptConfig(memory_folder=None).memory_folder is None

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +20,7 @@ from lm_resiliency import (
     InMemoryCkptConfig,
     MTGSConfig,
     ResiliencyError,
+    ScoutConfig,
     StateEncodingError,
     enable_resiliency,
 )
@@ -138,6 +144,55 @@ def test_interval_overrides_the_config_interval() -> None:
         assert str(resiliency.manager.config.disk_folder) == "elsewhere"
 
 
+def _overrides(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "overrides config.interval" in r.getMessage()]
+
+
+def test_the_interval_override_warns_only_about_an_interval_the_user_set(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # No config, or a config whose interval is the field default: nothing to override.
+    for config in (None, InMemoryCkptConfig(disk_folder="elsewhere")):
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        caplog.clear()
+        with enable_resiliency(model, opt, interval=5, config=config) as resiliency:
+            assert resiliency.manager.config.interval == 5
+        assert _overrides(caplog) == [], config
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    caplog.clear()
+    with enable_resiliency(model, opt, interval=5, config=InMemoryCkptConfig(interval=7)):
+        pass
+    assert _overrides(caplog) == [
+        "enable_resiliency: interval=5 overrides config.interval=7 (pass interval=7 to keep "
+        "the config's cadence)"
+    ]
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mtgs": MTGSConfig()}, "needs a DistributedDataParallel model (its vote rides in "
+         "DDP's gradient all-reduce), got {name} (adapter 'torch'); wrap the model in DDP"),
+        ({"scout": ScoutConfig()}, "compares data-parallel replicas, but the model {name} "
+         "(adapter 'torch') has none"),
+    ],
+)  # fmt: skip
+def test_a_refused_combination_names_the_model_type(kwargs: dict[str, Any], message: str) -> None:
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError) as info:
+        enable_resiliency(model, opt, **kwargs)
+    assert message.format(name=f"{__name__}.TinyNet") in str(info.value)
+
+
 def test_train_step_needs_mtgs_and_an_optimizer_is_required() -> None:
     model = nn.Linear(4, 4)
     resiliency = enable_resiliency(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -217,3 +272,47 @@ def test_buffers_the_next_forward_updates_in_place_are_captured_at_their_step() 
             assert torch.equal(saved["4.running_var"], expected[1]), step
             assert int(saved["4.num_batches_tracked"]) == expected[2], step
             opt.zero_grad()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory this process cannot write: a read-only tmpfs mount as root (who ignores
+    permission bits), mode 0555 otherwise."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    mount = ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)]
+    if subprocess.run(mount, check=False, capture_output=True).returncode != 0:
+        pytest.skip("root without permission to mount a read-only tmpfs")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("sub", ["", "ckpt"])
+def test_an_unwritable_disk_folder_is_refused_at_enable(read_only_dir: Path, sub: str) -> None:
+    # The folder itself, or the parent that persisting would create it in: a raw OSError
+    # at enable before, or a warning at every flush.
+    folder = read_only_dir / sub if sub else read_only_dir
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = InMemoryCkptConfig(disk_folder=folder, disk_flush_interval=2)
+    with pytest.raises(ConfigError) as info:
+        enable_resiliency(model, opt, interval=2, config=config)
+    message = str(info.value)
+    target = "it" if not sub else f"its parent {read_only_dir}"
+    assert f"disk_folder={str(folder)!r}: {target} is " in message
+    assert "(disk_flush_interval=2, signal_flush=True)" in message
+    assert "use a writable node-local directory, or persist nothing" in message
+    if not sub:
+        return  # (reading an existing folder's lineage still creates the run folder in it)
+    # Persisting nothing: the folder is never created, so it is no reason to refuse.
+    quiet = dataclasses.replace(config, disk_flush_interval=0, signal_flush=False)
+    with enable_resiliency(model, opt, interval=2, config=quiet) as resiliency:
+        _train(model, [opt], 4)
+        assert resiliency.manager.find_latest() == 4

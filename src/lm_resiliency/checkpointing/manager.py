@@ -47,12 +47,12 @@ from lm_resiliency.checkpointing.flush import DiskFlusher, ExitFlush, FlushStats
 from lm_resiliency.checkpointing.history import History
 from lm_resiliency.checkpointing.peer import PeerReplicas, ReplicationStats
 from lm_resiliency.checkpointing.restore import RecoveryReport, Restorer
-from lm_resiliency.checkpointing.setup import describe_plan, disk_topologies, memory_tier, pairing
+from lm_resiliency.checkpointing.setup import describe_plan, disk_topologies, memory_tier, preflight
 from lm_resiliency.checkpointing.trust_writer import TrustWriter
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.control import ControlPlane
 from lm_resiliency.distributed import restart_count
-from lm_resiliency.errors import ResiliencyError, UnsafePathError
+from lm_resiliency.errors import ConfigError, ResiliencyError, UnsafePathError
 from lm_resiliency.memory import MemoryTier
 from lm_resiliency.persistence import (
     RecoveryVerdict,
@@ -121,16 +121,19 @@ class InMemoryCheckpointManager:
         self.rank = self.control.rank
         self._trust_writer = TrustWriter(self.rank)
         self.world_size = self.control.world_size
+        self.hsdp = cfg.skip_replication_if_hsdp and hsdp_replicated
+        self.plan = self._agreed(
+            "check this rank's environment",
+            lambda: preflight(
+                cfg,
+                rank=self.rank,
+                world_size=self.world_size,
+                hsdp=self.hsdp,
+                replica_ranks=replica_ranks,
+            ),
+        )
         with self.control.op("agree the run id"):
             self.run_id = resolve_run_id(cfg.run_id, group=self.control.group)
-        self.hsdp = cfg.skip_replication_if_hsdp and hsdp_replicated
-        self.plan = pairing(
-            self.rank,
-            self.world_size,
-            cfg.replication_jump,
-            hsdp=self.hsdp,
-            replica_ranks=replica_ranks,
-        )
         if self.rank == 0:
             log.info("GEMINI replication: %s", describe_plan(self.plan, hsdp=self.hsdp))
         pairs = self.plan.table() if self.plan is not None else []
@@ -228,7 +231,9 @@ class InMemoryCheckpointManager:
         """Run a local setup step on every rank; if it fails on any rank, raise on every rank.
 
         A folder refused on one rank (another user's, a link, a damaged manifest)
-        must not leave the other ranks waiting in the next collective.
+        must not leave the other ranks waiting in the next collective. When every
+        refusal is a ``ConfigError`` (a bad environment variable on one rank), the
+        other ranks raise a ``ConfigError`` too, naming the ranks and their errors.
         """
         error = ""
         result = None
@@ -243,7 +248,9 @@ class InMemoryCheckpointManager:
             raise mine  # this rank's own error, with its type; the others name this rank
         if failed:
             lines = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
-            raise ResiliencyError(f"cannot {what} on rank(s) {sorted(failed)}: {lines}")
+            config = all(e.startswith(f"{ConfigError.__name__}: ") for e in failed.values())
+            kind = ConfigError if config else ResiliencyError
+            raise kind(f"cannot {what} on rank(s) {sorted(failed)}: {lines}")
         return result  # type: ignore[return-value]
 
     def _open_local(self) -> list[Lineage | None]:

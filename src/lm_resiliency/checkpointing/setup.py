@@ -1,27 +1,106 @@
 """What the manager's constructor decides before any slot exists: pairing, memory tier, layout.
 
-Pure functions of the configuration and the agreed identity (run id,
-topology); the constructor calls them in this order: :func:`pairing` (before
-the topology is fingerprinted), :func:`memory_tier` (after), and at recovery
-:func:`disk_topologies` says whether the run has files for another topology.
+Pure functions of the configuration, this rank's environment and the agreed
+identity (run id, topology); the constructor calls them in this order:
+:func:`preflight` (this rank's environment and its :func:`pairing`, before any
+collective that could wait on a rank that refuses it), :func:`memory_tier`
+(after the topology is fingerprinted), and at recovery :func:`disk_topologies`
+says whether the run has files for another topology.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.distributed import restart_count
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.memory import MemoryFolder, MemoryTier
 from lm_resiliency.persistence import namespace as ns
+from lm_resiliency.persistence.identity import local_run_id
 from lm_resiliency.replication import PairingPlan, resolve_jump
 
 log = logging.getLogger(__name__)
 
-__all__ = ["describe_plan", "disk_topologies", "memory_tier", "pairing"]
+__all__ = [
+    "check_disk_folder",
+    "describe_plan",
+    "disk_topologies",
+    "memory_tier",
+    "pairing",
+    "preflight",
+]
+
+
+def preflight(
+    config: InMemoryCkptConfig,
+    *,
+    rank: int,
+    world_size: int,
+    hsdp: bool,
+    replica_ranks: Sequence[int] | None,
+) -> PairingPlan | None:
+    """Everything this rank reads from its own environment, checked before any agreement.
+
+    The run id's source (``LM_RESILIENCY_RUN_ID``, ``TORCHELASTIC_RUN_ID``), the
+    torchrun restart count, the pairing (``LOCAL_WORLD_SIZE`` for
+    ``replication_jump=-1``) and a writable disk folder can differ per rank. Local;
+    the manager runs it inside an agreement, so a refusal on one rank is raised on
+    every rank instead of leaving the others in the next collective. Returns the
+    pairing plan; raises ``ConfigError`` naming the variable or folder and the fix.
+    """
+    local_run_id(config.run_id)
+    restart_count()
+    plan = pairing(
+        rank, world_size, config.replication_jump, hsdp=hsdp, replica_ranks=replica_ranks
+    )
+    if config.enable:
+        check_disk_folder(config)
+    return plan
+
+
+def check_disk_folder(config: InMemoryCkptConfig) -> None:
+    """Refuse a ``disk_folder`` known to be unwritable when anything will be persisted there.
+
+    Looks at the folder, or its nearest existing parent when it does not exist yet
+    (persisting creates it), and asks the kernel (``access(2)``: permissions, a
+    read-only mount). Nothing is created. Raises ``ConfigError`` naming the folder, the
+    operation and the fix.
+    """
+    why = [
+        name
+        for name, on in (
+            (f"disk_flush_interval={config.disk_flush_interval}", config.disk_flush_interval > 0),
+            ("signal_flush=True", config.signal_flush),
+            ("flush_on_close=True", config.flush_on_close),
+        )
+        if on
+    ]
+    if not why:
+        return
+    folder = Path(config.disk_folder).absolute()
+    probe = folder
+    try:
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir() or os.access(probe, os.W_OK | os.X_OK):
+            return  # a file in the way is refused by the store, with its own message
+        read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        return  # cannot even look (a parent we may not enter): the store names that
+    where = "is on a read-only filesystem" if read_only else "is not writable by this user"
+    target = "it" if probe == folder else f"its parent {probe}"
+    action = "write checkpoint files into it" if probe == folder else "create it"
+    raise ConfigError(
+        f"disk_folder={str(config.disk_folder)!r}: {target} {where}, so persisting "
+        f"checkpoints ({', '.join(why)}) cannot {action}; use a writable node-local "
+        "directory, or persist nothing (disk_flush_interval=0, signal_flush=False, "
+        "flush_on_close=False)"
+    )
 
 
 def pairing(

@@ -20,11 +20,26 @@ __all__ = ["gemini_config", "check_mtgs", "check_scout"]
 
 log = logging.getLogger(__name__)
 
+_DEFAULT_INTERVAL = InMemoryCkptConfig.__dataclass_fields__["interval"].default
+
+
+def describe_model(adapter: Adapter) -> str:
+    """The model's type as a user wrote it, with the adapter that took it: ``MyNet (a plain
+    nn.Module, adapter 'torch')``, for messages that refuse a combination."""
+    try:
+        first = adapter.modules()[0]
+    except (NotImplementedError, IndexError):
+        return f"a model of adapter {adapter.framework!r}"
+    cls = type(first)
+    return f"{cls.__module__}.{cls.__qualname__} (adapter {adapter.framework!r})"
+
 
 def gemini_config(config: Any, interval: Any) -> InMemoryCkptConfig:
     """``config`` (default ``InMemoryCkptConfig()``) with ``interval`` as its capture cadence.
 
-    ``interval`` overrides ``config.interval`` (the contract's unified call).
+    ``interval`` overrides ``config.interval`` (the contract's unified call); a
+    warning says so only when the user set ``config.interval`` to something else
+    (a config left at the field's default has no cadence of its own to lose).
     """
     if config is not None and not isinstance(config, InMemoryCkptConfig):
         raise ConfigError(
@@ -37,7 +52,7 @@ def gemini_config(config: Any, interval: Any) -> InMemoryCkptConfig:
             "between captures, e.g. interval=10"
         )
     base = config if config is not None else InMemoryCkptConfig()
-    if base.interval != interval:
+    if base.interval not in (interval, _DEFAULT_INTERVAL):
         # Visible by default: a config built with its own interval and the call's default
         # interval=10 is the likely slip here.
         log.warning(
@@ -62,7 +77,7 @@ def check_mtgs(mtgs: Any, adapter: Adapter) -> MTGSConfig | None:
     if adapter.framework != "ddp":
         raise ConfigError(
             f"mtgs=MTGSConfig(...) needs a DistributedDataParallel model (its vote rides in "
-            f"DDP's gradient all-reduce), got a {adapter.framework!r} model; wrap the model "
+            f"DDP's gradient all-reduce), got {describe_model(adapter)}; wrap the model "
             "in DDP or leave mtgs=None"
         )
     if len(adapter.step_optimizers()) != 1:
@@ -89,8 +104,8 @@ def check_scout(scout: Any, adapter: Adapter) -> ScoutConfig | None:
         )
     if scout.enable and not adapter.parallel_layout().comparison_groups:
         raise ConfigError(
-            f"scout=ScoutConfig(...) compares data-parallel replicas, but this "
-            f"{adapter.framework!r} model has none (one process, or sharded without a replicate "
+            f"scout=ScoutConfig(...) compares data-parallel replicas, but the model "
+            f"{describe_model(adapter)} has none (one process, or sharded without a replicate "
             "dimension); train with DDP or HSDP, or leave scout=None"
         )
     return scout
