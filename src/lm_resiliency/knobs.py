@@ -48,3 +48,7 @@ non-tensor document) extends the file instead."""
 MEMORY_LOCK_WAIT_S = 10.0
 """How long a new process waits for the previous owner of a rank's memory folder to exit
 (torchrun stops old workers before it starts new ones)."""
+
+CAPTURE_WORKER_POLL_S = 0.5
+"""How often a caller waiting on the capture worker checks that the thread is still alive
+(a worker that died without releasing its waiters must never hang the training loop)."""
