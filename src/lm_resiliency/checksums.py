@@ -17,6 +17,9 @@ import struct
 from typing import Any
 
 import crc32c
+import torch
+
+from lm_resiliency.knobs import CRC_CHUNK_BYTES
 
 
 def crc_count(total_bytes: int, chunk_bytes: int) -> int:
@@ -65,6 +68,13 @@ class ChunkCrc:
         if self._fed != self.total_bytes:
             raise ValueError(f"checksum fed {self._fed} of {self.total_bytes} bytes")
         return self._done + ([self._current] if self._filled else [])
+
+
+def arena_crcs(arena: torch.Tensor, chunk_bytes: int = CRC_CHUNK_BYTES) -> tuple[int, ...]:
+    """CRC-32C of every ``chunk_bytes`` chunk of a flat ``uint8`` CPU tensor (one pass)."""
+    view = memoryview(arena.numpy())  # type: ignore[arg-type]
+    n = len(view)
+    return tuple(crc32c.crc32c(view[o : o + chunk_bytes]) for o in range(0, n, chunk_bytes))
 
 
 def pack_crcs(crcs: list[int]) -> bytes:

@@ -78,7 +78,8 @@ class InMemoryCkptConfig:
     """Stable identity of this run; ``None`` resolves from the launcher or agrees a fresh one."""
 
     verify_integrity: bool = False
-    """Store a CRC-32C per shard chunk and refuse shards whose checksum fails or is missing."""
+    """Store a CRC-32C per shard chunk and refuse shards whose checksum fails or is missing
+    (node-local shards; memory slots are always checksummed and verified)."""
 
     skip_replication_if_hsdp: bool = True
     """Use the natural HSDP replicas instead of explicit peer transfer (two own slots)."""

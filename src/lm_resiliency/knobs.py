@@ -54,3 +54,7 @@ MAX_WAIT_S = 30 * 24 * 3600.0
 below what every timer it reaches can hold (``threading`` waits cap at ~2.9e2 years,
 ``timedelta`` and Gloo's int64 milliseconds higher), and a wait longer than a month is a
 hang, not a bound."""
+
+CAPTURE_WORKER_POLL_S = 0.5
+"""How often a caller waiting on the capture worker checks that the thread is still alive
+(a worker that died without releasing its waiters must never hang the training loop)."""

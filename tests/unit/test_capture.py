@@ -295,3 +295,84 @@ def test_slot_views_are_built_once_per_arena_and_layout() -> None:
         slot = manager._engine.slots[0]
         assert slot.views() is slot.views()
         assert torch.equal(manager.load(3)["t"], torch.full((4,), 3.0))
+
+
+class _WorkerKilled(BaseException):
+    """Not an Exception: what escapes a handler (the 3.10 ``add_note`` AttributeError was
+    one such failure inside the worker's own ``except`` block)."""
+
+
+def _kill_worker_on_failure(monkeypatch) -> threading.Event:
+    """Step captures fail once armed, and handling that failure raises out of the real
+    worker thread (its slot's ``invalidate`` raises), so the thread ends mid-cycle."""
+    armed = threading.Event()
+    real_prepare, real_invalidate = Slot.prepare, Slot.invalidate
+
+    def prepare(self, layout, *, pin):
+        if armed.is_set():
+            raise MemoryError("cannot allocate host arena")
+        return real_prepare(self, layout, pin=pin)
+
+    def invalidate(self):
+        if armed.is_set():
+            raise _WorkerKilled("the worker's failure handling failed")
+        return real_invalidate(self)
+
+    monkeypatch.setattr(Slot, "prepare", prepare)
+    monkeypatch.setattr(Slot, "invalidate", invalidate)
+    return armed
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_capture_worker_fails_every_wait_instead_of_hanging(monkeypatch) -> None:
+    armed = _kill_worker_on_failure(monkeypatch)
+    manager = InMemoryCheckpointManager()
+    manager.save({"t": torch.ones(10)}, 1)
+    manager.maybe_wait()
+    armed.set()
+    manager.save({"t": torch.ones(10)}, 2)
+    with pytest.raises(CaptureError, match="capture worker stopped") as info:
+        manager.maybe_wait()
+    assert isinstance(info.value.__cause__, _WorkerKilled)
+    for call in (
+        lambda: manager.save({"t": torch.ones(10)}, 3),
+        manager.maybe_wait,
+        manager.wait_persisted,
+    ):
+        with pytest.raises(CaptureError, match="capture worker stopped"):
+            call()
+    with pytest.raises(CaptureError, match="capture worker stopped"):
+        manager.close(finished=False)
+
+
+@pytest.mark.timeout(60)
+def test_close_after_the_worker_died_fails_with_its_error(monkeypatch) -> None:
+    armed = _kill_worker_on_failure(monkeypatch)
+    manager = InMemoryCheckpointManager()
+    manager.save({"t": torch.ones(10)}, 1)
+    manager.maybe_wait()
+    armed.set()
+    manager.save({"t": torch.ones(10)}, 2)  # nothing waits until close
+    with pytest.raises(CaptureError, match="capture worker stopped") as info:
+        manager.close()
+    assert isinstance(info.value.__cause__, _WorkerKilled)
+
+
+@pytest.mark.timeout(60)
+def test_the_mtgs_shadow_fails_with_the_dead_workers_error(monkeypatch) -> None:
+    from lm_resiliency.transactions.shadow import Shadow
+
+    armed = _kill_worker_on_failure(monkeypatch)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shadow = Shadow(list(model.parameters()), opt, module=model)
+    shadow.begin()
+    shadow.wait()
+    armed.set()
+    shadow.begin()  # the real shadow's copy, on its real engine's worker, kills the worker
+    with pytest.raises(CaptureError, match="capture worker stopped"):
+        shadow.wait()
+    with pytest.raises(CaptureError, match="capture worker stopped"):
+        shadow.restore()
+    with pytest.raises(CaptureError, match="capture worker stopped"):
+        shadow.close()

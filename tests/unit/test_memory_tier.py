@@ -256,17 +256,6 @@ def test_checksums_are_verified_before_a_reattached_slot_is_used(
         m.close(finished=False)
 
 
-def test_a_slot_written_without_checksums_is_refused_when_integrity_is_required(
-    _isolated_memory_folder: Path,
-) -> None:
-    _crash_after((10,))
-    with InMemoryCheckpointManager(_cfg(verify_integrity=True)) as m:
-        assert m.find_latest() == 10
-        with pytest.raises(ResiliencyError, match="checksum_missing"):
-            m.load()
-        m.close(finished=False)
-
-
 def test_a_second_live_process_for_the_same_rank_is_refused(
     _isolated_memory_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,8 +24,17 @@ worker publishes the slot and runs the ``after_capture`` hook (replication);
 ``wait_captured`` returns once that hook has *started*. The next ``capture``
 waits for the whole previous cycle, so a slot is never reused mid-transfer.
 
+After the bytes are complete (``wait_captured`` may return), the worker
+computes one CRC-32C per chunk of the arena and *seals* the slot (a slot on
+the memory filesystem writes its commit record with them), all off the
+training thread.
+
 Errors of the worker's copy are recorded and raised as :class:`CaptureError`
-(naming the step) on the caller's next call; they are never swallowed.
+(naming the step) on the caller's next call; they are never swallowed. A
+worker that stops altogether (anything escaping its loop) never leaves a
+caller waiting: every wait (``capture``, ``wait_captured``, ``wait_idle``,
+``close``) then raises :class:`CaptureError` with the worker's error as its
+cause, on every later call.
 """
 
 from __future__ import annotations
@@ -39,10 +48,12 @@ from typing import Any
 
 import torch
 
+from lm_resiliency._compat import add_note
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.capture.slot import ANONYMOUS, ArenaBacking, ArenaHandle, Slot
+from lm_resiliency.checksums import arena_crcs
 from lm_resiliency.errors import CaptureError
-from lm_resiliency.knobs import HOST_COPY_PIECE_BYTES
+from lm_resiliency.knobs import CAPTURE_WORKER_POLL_S, HOST_COPY_PIECE_BYTES
 from lm_resiliency.state import EncodedState, PartialEncoding, begin_encoding, encode_state
 
 log = logging.getLogger(__name__)
@@ -62,6 +73,8 @@ class CaptureStats:
     save_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
     copy_s: list[float] = field(default_factory=list)
+    crc_s: list[float] = field(default_factory=list)
+    """Worker seconds checksumming each capture (after ``wait_captured`` could return)."""
     allocations: int = 0
     relayouts: int = 0
     failures: int = 0
@@ -92,6 +105,8 @@ class Adopted:
     step: int
     document: dict[str, Any]
     timeline: str | None
+    crcs: tuple[int, ...] | None = None
+    """The checksums its record carries (checked before the slot's bytes are used)."""
 
 
 def adopt_into(slots: list[Slot], adopted: Sequence[Adopted], *, owner_rank: int) -> list[Slot]:
@@ -105,6 +120,7 @@ def adopt_into(slots: list[Slot], adopted: Sequence[Adopted], *, owner_rank: int
             document=a.document,
             owner_rank=owner_rank,
             timeline=a.timeline,
+            crcs=a.crcs,
         )
     complete = [s for s in slots if s.complete]
     empty = [s for s in slots if not s.complete]
@@ -156,6 +172,9 @@ class CaptureEngine:
         self._cv = threading.Condition()
         self._closed = False
         self._streams: dict[torch.device, Any] = {}
+        self._running: _Cycle | None = None
+        self._death: BaseException | None = None
+        """What stopped the worker thread (``None`` while it runs)."""
         self._worker = threading.Thread(target=self._run, name=f"lmr-capture-r{rank}", daemon=True)
         self._worker.start()
 
@@ -216,6 +235,7 @@ class CaptureEngine:
 
     def _submit(self, cycle: _Cycle) -> None:
         with self._cv:
+            self._raise_if_dead()
             self._cycle = cycle
             self._jobs.append(cycle)
             self._cv.notify()
@@ -232,9 +252,10 @@ class CaptureEngine:
             self._raise_pending()
             return
         t0 = time.perf_counter()
-        cycle.captured.wait()
+        self._wait_for(cycle.captured)
         self.stats.wait_s.append(time.perf_counter() - t0)
         self._raise_pending()
+        self._raise_if_dead()
 
     def wait_idle(self) -> None:
         """Block until the in-flight cycle (including its follow-up) has finished."""
@@ -256,8 +277,28 @@ class CaptureEngine:
         done = [s for s in self.slots if s.complete and s.step is not None]
         return sorted(done, key=lambda s: s.step or 0, reverse=True)
 
+    @property
+    def failure(self) -> CaptureError | None:
+        """The error every call raises once the worker thread has stopped (else ``None``)."""
+        death = self._death
+        if death is None and not self._worker.is_alive() and not self._closed:
+            death = RuntimeError("the capture worker thread is gone")
+        if death is None:
+            return None
+        err = CaptureError(
+            f"rank {self.rank}: the capture worker stopped on {death!r}; no capture can "
+            "complete in this process any more; fix the cause and restart the process "
+            "(slots it committed before stay for recovery)"
+        )
+        err.__cause__ = death
+        return err
+
     def close(self) -> None:
-        """Finish the in-flight cycle, stop the worker and free every arena."""
+        """Finish the in-flight cycle, stop the worker and free every arena.
+
+        Raises the worker's error (:attr:`failure`) after freeing everything when
+        the worker had stopped.
+        """
         if self._closed:
             return
         try:
@@ -269,14 +310,28 @@ class CaptureEngine:
             self._worker.join(timeout=60)
             for s in self.slots:
                 s.free()
+        if self._death is not None:
+            self._raise_if_dead()
 
     # ----------------------------------------------------------------- internals
     def _finish_previous(self, raise_errors: bool = True) -> None:
         cycle = self._cycle
         if cycle is not None:
-            cycle.finished.wait()
+            self._wait_for(cycle.finished)
         if raise_errors:
             self._raise_pending()
+            self._raise_if_dead()
+
+    def _wait_for(self, event: threading.Event) -> None:
+        """Wait for a cycle's ``event``, or until the worker that would set it is gone."""
+        while not event.wait(CAPTURE_WORKER_POLL_S):
+            if not self._worker.is_alive():
+                return
+
+    def _raise_if_dead(self) -> None:
+        err = self.failure
+        if err is not None:
+            raise err
 
     def _raise_pending(self) -> None:
         err = self._pending_error
@@ -372,13 +427,29 @@ class CaptureEngine:
         return done
 
     def _run(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._jobs or self._closed)
-                if not self._jobs:
-                    return
-                cycle = self._jobs.pop(0)
-            self._run_cycle(cycle)
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: self._jobs or self._closed)
+                    if not self._jobs:
+                        return
+                    cycle = self._running = self._jobs.pop(0)
+                self._run_cycle(cycle)
+                self._running = None
+        except BaseException as exc:  # the thread ends: nobody may be left waiting on it
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Worker, last act: record why it stops and release every waiter."""
+        with self._cv:
+            self._death = exc
+            cycles = [c for c in (self._running, *self._jobs) if c is not None]
+            self._jobs.clear()
+        log.error("rank %d: the capture worker stopped: %r", self.rank, exc)
+        for cycle in cycles:  # their slots stay COPYING (files WRITING): never selected
+            self.stats.failures += 1
+            cycle.captured.set()
+            cycle.finished.set()
 
     @torch.no_grad()
     def _run_cycle(self, cycle: _Cycle) -> None:
@@ -388,7 +459,9 @@ class CaptureEngine:
             try:
                 layout, encoded = self._finish_encoding(cycle)
             except BaseException as exc:  # raised as it is on the caller's next call
-                exc.add_note(f"(rank {self.rank}: while encoding the capture of step {cycle.step})")
+                add_note(
+                    exc, f"(rank {self.rank}: while encoding the capture of step {cycle.step})"
+                )
                 self._fail(cycle, exc)
                 return
         else:
@@ -401,15 +474,25 @@ class CaptureEngine:
             self._copy_pairs(cycle, list(zip(slot.views(), encoded.tensors, strict=True)))
             self.stats.copy_s.append(time.perf_counter() - t0)
             slot.publish(cycle.step, encoded.document, self.rank)
+            # wait_captured() may return now: the sources may change, the arena is ours.
+            cycle.captured.set()
+            t1 = time.perf_counter()
+            assert slot.arena is not None
+            slot.seal(arena_crcs(slot.arena))
+            self.stats.crc_s.append(time.perf_counter() - t1)
         except BaseException as exc:  # recorded and raised on the caller's next call
-            err = CaptureError(f"rank {self.rank}: capture of step {cycle.step} failed: {exc!r}")
-            err.__cause__ = exc
+            if isinstance(exc, CaptureError):  # already says what failed (MemoryFolderFull)
+                add_note(exc, f"(rank {self.rank}: capture of step {cycle.step})")
+                err: BaseException = exc
+            else:
+                err = CaptureError(
+                    f"rank {self.rank}: capture of step {cycle.step} failed: {exc!r}"
+                )
+                err.__cause__ = exc
             self._fail(cycle, err)
             return
         try:
             if self.after_capture is not None:
-                # wait_captured() may return now: the follow-up (replication) is launched.
-                cycle.captured.set()
                 self.after_capture(slot)
         except BaseException as exc:
             err = CaptureError(

@@ -9,9 +9,12 @@ Where the arena lives is the :class:`ArenaBacking`'s business: anonymous
 process memory (:class:`AnonymousBacking`, the default, gone with the process)
 or a file on a node-local memory filesystem that outlives the process
 (:mod:`lm_resiliency.memory`). A backing's :class:`ArenaHandle` is told when
-the arena's content is about to change (``begin``), is complete (``commit``)
-or is no longer valid (``retract``), so a file-backed slot can keep a state
-word that a restarted process trusts.
+the arena's content is about to change (``begin``), is complete and
+checksummed (``commit``, from :meth:`Slot.seal`) or is no longer valid
+(``retract``), so a file-backed slot can keep a state word that a restarted
+process trusts. A slot is complete in this process from :meth:`Slot.publish`
+on; its backing commits it only once :meth:`Slot.seal` gave it the arena's
+CRC-32C per chunk (computed off the training thread).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class ArenaHandle(Protocol):
         """The arena's content is about to change: it must not be trusted until ``commit``."""
 
     def commit(self, slot: Slot) -> None:
-        """The arena holds ``slot``'s complete capture (layout, step, document, owner)."""
+        """The arena holds ``slot``'s complete capture (layout, step, document, owner, crcs)."""
 
     def retract(self) -> None:
         """The content is no longer valid (a failed capture or receive)."""
@@ -139,6 +142,8 @@ class Slot:
     owner_rank: int | None = None
     timeline: str | None = None
     """Timeline of a capture an earlier process left (``None``: captured by this process)."""
+    crcs: tuple[int, ...] | None = None
+    """CRC-32C per ``CRC_CHUNK_BYTES`` of the arena, once sealed (``None`` until then)."""
     state: SlotState = SlotState.EMPTY
     _readers: int = 0
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
@@ -171,6 +176,7 @@ class Slot:
             self.state = SlotState.COPYING
             self.step = None
             self.timeline = None
+            self.crcs = None
         handle = self.handle
         realloc = handle is None or handle.arena.numel() != layout.total_bytes
         if realloc:
@@ -195,15 +201,33 @@ class Slot:
         self._views = (arena, layout, views)
         return views
 
-    def publish(self, step: int, document: dict[str, Any], owner_rank: int) -> None:
-        """Mark the slot complete for ``step`` (call only after every byte arrived)."""
+    def publish(
+        self,
+        step: int,
+        document: dict[str, Any],
+        owner_rank: int,
+        *,
+        crcs: tuple[int, ...] | None = None,
+    ) -> None:
+        """Mark the slot complete for ``step`` (call only after every byte arrived).
+
+        With ``crcs`` (already known, e.g. verified on receipt) it is sealed at
+        once; otherwise call :meth:`seal` once they are computed.
+        """
         self.step = step
         self.document = document
         self.owner_rank = owner_rank
         assert self.handle is not None
-        self.handle.commit(self)
+        if crcs is not None:
+            self.seal(crcs)
         with self._cond:
             self.state = SlotState.CAPTURED
+
+    def seal(self, crcs: tuple[int, ...]) -> None:
+        """Record the arena's checksums and let the backing commit the capture."""
+        assert self.handle is not None and self.step is not None
+        self.crcs = crcs
+        self.handle.commit(self)
 
     def adopt(
         self,
@@ -214,6 +238,7 @@ class Slot:
         document: dict[str, Any],
         owner_rank: int,
         timeline: str | None,
+        crcs: tuple[int, ...] | None = None,
     ) -> None:
         """Take over a complete capture that outlived an earlier process (already committed)."""
         with self._cond:
@@ -221,7 +246,7 @@ class Slot:
             old, self.handle = self.handle, handle
             self._views = None
             self.layout, self.step, self.document = layout, step, document
-            self.owner_rank, self.timeline = owner_rank, timeline
+            self.owner_rank, self.timeline, self.crcs = owner_rank, timeline, crcs
             self.state = SlotState.CAPTURED
         if old is not None:
             old.release()
@@ -237,6 +262,7 @@ class Slot:
             self._cond.wait_for(lambda: self._readers == 0)
             self.state = SlotState.EMPTY
             self.step = None
+            self.crcs = None
         if self.handle is not None:
             self.handle.retract()
 
@@ -257,6 +283,7 @@ class Slot:
             self._views = None
             self.layout = None
             self.document = None
+            self.crcs = None
         if handle is not None:
             handle.discard() if discard else handle.release()
 

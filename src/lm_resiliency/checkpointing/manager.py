@@ -52,7 +52,7 @@ from lm_resiliency.checkpointing.trust_writer import TrustWriter
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.control import ControlPlane
 from lm_resiliency.distributed import restart_count
-from lm_resiliency.errors import ConfigError, ResiliencyError, UnsafePathError
+from lm_resiliency.errors import CaptureError, ConfigError, ResiliencyError, UnsafePathError
 from lm_resiliency.memory import MemoryTier
 from lm_resiliency.persistence import (
     RecoveryVerdict,
@@ -268,7 +268,7 @@ class InMemoryCheckpointManager:
         held: list[Adopted] = []
         for a, handle in attached:
             r = a.record
-            adopted = Adopted(a.slot_name, handle, r.layout, r.step, r.state, r.timeline)
+            adopted = Adopted(a.slot_name, handle, r.layout, r.step, r.state, r.timeline, r.crcs)
             (own if r.identity.role == "own" else held).append(adopted)
         self._engine.adopt(own)
         if self._peer is not None:
@@ -408,7 +408,10 @@ class InMemoryCheckpointManager:
             return
         self._closed = True
         self._flusher.close()
-        self._engine.close()
+        try:
+            self._engine.close()
+        except CaptureError as exc:  # at exit: say it, and still release the folder
+            log.error("rank %d: %s", self.rank, exc)
         if self.tier is not None:
             self.tier.close(remove=False)
 
@@ -673,7 +676,11 @@ class InMemoryCheckpointManager:
             self._signal.uninstall()
         if self._excepthook is not None and sys.excepthook is self._excepthook[0]:
             sys.excepthook = self._excepthook[1]
-        self._engine.close()
+        died: CaptureError | None = None
+        try:
+            self._engine.close()
+        except CaptureError as exc:  # the worker had stopped: raised once all is released
+            died = exc
         if self._peer is not None:
             self._peer.close()
         elif self._channel is not None:
@@ -684,6 +691,8 @@ class InMemoryCheckpointManager:
         if self._store is not None:
             self._store.close()
         self.control.close()
+        if died is not None:
+            raise died
 
     def _check_open(self) -> None:
         if self._closed:

@@ -6,6 +6,12 @@ receives ``recv_from(rank)``'s capture of the same step into ``peer_current``
 (both directions at once). A replica counts only when both directions completed
 for the same step; otherwise the cycle's replica is dropped, the previous
 complete peer slot stays, and the failure is logged and counted.
+
+The header carries the owner's CRC-32C per chunk of its slot (computed by its
+capture worker); the holder checksums what arrived (on the same worker, off the
+training thread) and refuses a replica whose bytes differ: it was damaged in
+transit. The verified checksums seal the held slot, so its file is checked
+again when a restarted process re-attaches it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import torch
 from lm_resiliency.capture.engine import Adopted, adopt_into
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.capture.slot import ANONYMOUS, ArenaBacking, Slot, SlotState
-from lm_resiliency.errors import ReplicationError
+from lm_resiliency.checksums import arena_crcs, mismatched
+from lm_resiliency.errors import IntegrityError, ReplicationError
+from lm_resiliency.knobs import CRC_CHUNK_BYTES
 from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
 
 log = logging.getLogger(__name__)
@@ -98,12 +106,15 @@ class PeerReplicas:
             return target.arena
 
         header = make_header(self.run_id, self.rank, step, own.layout, own.document)
+        if own.crcs is not None:
+            header[_CRC_KEY] = {"chunk_bytes": CRC_CHUNK_BYTES, "crcs": list(own.crcs)}
         t0 = time.perf_counter()
         try:
             received = self.channel.exchange(
                 step=step, send_header=header, send_arena=own.arena, recv_alloc=alloc
             )
-        except ReplicationError as exc:
+            crcs = _verified_crcs(received.header, target, src=self.recv_from, step=step)
+        except (ReplicationError, IntegrityError) as exc:
             target.invalidate()
             self.stats.failures += 1
             self.stats.last_error = str(exc)
@@ -117,7 +128,7 @@ class PeerReplicas:
                 exc,
             )
             return False
-        target.publish(received.step, received.state_document, received.owner_rank)
+        target.publish(received.step, received.state_document, received.owner_rank, crcs=crcs)
         own.advance(SlotState.REPLICATED)
         self.stats.replicated += 1
         self.stats.bytes_sent += own.layout.total_bytes
@@ -128,3 +139,42 @@ class PeerReplicas:
         self.channel.close()
         for s in self.slots:
             s.free()
+
+
+_CRC_KEY = "slot_crc32c"
+"""Header field: ``{"chunk_bytes": n, "crcs": [...]}``, the owner's checksums of its slot."""
+
+
+def _verified_crcs(header: dict[str, Any], target: Slot, *, src: int, step: int) -> tuple[int, ...]:
+    """The checksums of the replica in ``target``, after checking them against the owner's.
+
+    Raises ``IntegrityError`` when the header carries none or a chunk differs.
+    """
+    assert target.arena is not None
+    meta = header.get(_CRC_KEY)
+    ok = (
+        isinstance(meta, dict)
+        and meta.get("chunk_bytes") == CRC_CHUNK_BYTES
+        and isinstance(meta.get("crcs"), list)
+        and all(isinstance(c, int) and not isinstance(c, bool) for c in meta["crcs"])
+    )
+    if not ok:
+        raise IntegrityError(
+            f"replica of step {step} from rank {src} carries no usable checksums "
+            f"(header field {_CRC_KEY!r}); it is refused"
+        )
+    assert isinstance(meta, dict)
+    actual = arena_crcs(target.arena)
+    expected = list(meta["crcs"])
+    if len(expected) != len(actual):
+        raise IntegrityError(
+            f"replica of step {step} from rank {src}: {len(expected)} checksums for "
+            f"{len(actual)} chunks; it is refused"
+        )
+    bad = mismatched(list(actual), expected)
+    if bad:
+        raise IntegrityError(
+            f"replica of step {step} from rank {src}: chunk(s) {bad[:8]} of {len(actual)} "
+            "do not match the owner's CRC-32C (damaged in transit); it is refused"
+        )
+    return actual

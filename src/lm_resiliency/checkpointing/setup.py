@@ -19,7 +19,7 @@ from pathlib import Path
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.distributed import restart_count
 from lm_resiliency.errors import ConfigError
-from lm_resiliency.memory import MemoryFolder, MemoryTier
+from lm_resiliency.memory import MemoryFolder, MemoryFolderFull, MemoryTier
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence.identity import local_run_id
 from lm_resiliency.replication import PairingPlan, resolve_jump
@@ -168,7 +168,7 @@ def memory_tier(
         return None
     try:
         folder = MemoryFolder(folder_path, run_id=run_id, topology=topology, rank=rank)
-    except (ConfigError, OSError) as exc:
+    except (ConfigError, OSError, MemoryFolderFull) as exc:  # full: out of space or inodes
         if config.memory_required:
             raise
         log.warning(
@@ -189,7 +189,6 @@ def memory_tier(
         topology=topology,
         rank=rank,
         peer_owner=peer_owner,
-        verify_integrity=config.verify_integrity,
         required=config.memory_required,
         slots=2 if peer_owner is None else 4,
     )

@@ -10,10 +10,15 @@
 Directory names are those of the node-local disk namespace, so a run and a
 topology map to the same names in both tiers. Every directory is created
 ``0700`` and entered without following links; one that is not ours or is
-writable by others is refused. The ``lock`` file is held with ``flock`` for
-the manager's lifetime: the kernel releases it when the process dies, so a
-restarted worker takes over at once, while a second live process using the
-same rank's folder is refused instead of tearing its slots.
+writable by others is refused; so is a memory folder itself that another user
+owns (only a sticky shared folder of root's such as ``/dev/shm`` may hold our
+run folders), and a ``lock`` that is anything but a regular file of ours. A
+filesystem out of space or inodes while the folders are made raises
+:class:`~lm_resiliency.memory.slotfile.MemoryFolderFull`. The ``lock`` file
+is held with ``flock`` for the manager's lifetime: the kernel releases it
+when the process dies, so a restarted worker takes over at once, while a
+second live process using the same rank's folder is refused instead of
+tearing its slots.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +42,12 @@ from lm_resiliency.memory.slotfile import (
     SlotRecord,
     SlotUnavailable,
     check_descriptor,
+    full_error,
+    is_full,
 )
 from lm_resiliency.persistence import namespace as ns
+from lm_resiliency.persistence._safefs import FOREIGN_OWNER, NOT_A_FILE, open_subdir, owner_of
 from lm_resiliency.persistence._safefs import open_root as safe_open_root
-from lm_resiliency.persistence._safefs import open_subdir
 from lm_resiliency.persistence.lineage import Lineage, read_lineage, write_lineage
 
 log = logging.getLogger(__name__)
@@ -72,16 +80,37 @@ class Attached:
 
 
 def open_root(root: Path) -> int:
-    """Create (0700) and open the memory folder itself, refusing one that is not ours."""
+    """Create (0700) and open the memory folder itself, refusing one that is not ours.
+
+    Refused (``UnsafePathError``): a folder others may write without the sticky
+    bit, and one owned by another user unless it is a sticky folder of root's
+    (``/dev/shm``, ``/tmp``): that user could read or replace every slot in it.
+    """
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
+        if is_full(exc):
+            raise full_error(exc, "the memory folder", str(root)) from None
         raise ConfigError(
             f"memory_folder={str(root)!r} cannot be created ({exc.strerror}); use a directory "
             "on a memory filesystem this user can write (e.g. /dev/shm/lm-resiliency-<user>), "
             "or memory_folder=None for process memory"
         ) from None
-    return safe_open_root(root)
+    fd = safe_open_root(root)
+    st = os.fstat(fd)
+    me = os.geteuid()
+    shared = st.st_uid == 0 and st.st_mode & stat.S_ISVTX
+    if st.st_uid != me and not shared:
+        os.close(fd)
+        raise UnsafePathError(
+            f"memory_folder={str(root)!r} is owned by {owner_of(st.st_uid)}, not by the user "
+            f"running the job ({owner_of(me)}); that user could read or replace the memory "
+            f"slots. Fix: chown {owner_of(me)} {root}, or choose a memory_folder this user "
+            "owns (e.g. /dev/shm/lm-resiliency-<user>)",
+            reason=FOREIGN_OWNER,
+            path=str(root),
+        )
+    return fd
 
 
 class MemoryFolder:
@@ -106,22 +135,42 @@ class MemoryFolder:
             for part in self._parts:
                 where = where / part
                 # open_subdir refuses a link, a foreign owner and a group/other-writable dir
-                fds.append(open_subdir(fds[-1], part, create=True, where=str(where)))
+                try:
+                    fds.append(open_subdir(fds[-1], part, create=True, where=str(where)))
+                except OSError as exc:
+                    if is_full(exc):  # out of inodes: the same as out of room
+                        raise full_error(exc, "the memory slot folders", str(where)) from None
+                    raise
             self.dir_fd = os.dup(fds[-1])
             self._run_fd = os.dup(fds[1])
         finally:
             for fd in fds:
                 os.close(fd)
-        self._lock_fd = self._lock()
+        try:
+            self._lock_fd = self._lock()
+        except BaseException:
+            self.close()
+            raise
 
     def _lock(self) -> int:
+        where = str(self.path / LOCK_FILE)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        fd = os.open(LOCK_FILE, flags, 0o600, dir_fd=self.dir_fd)
         try:
-            check_descriptor(fd, str(self.path / LOCK_FILE))
+            fd = os.open(LOCK_FILE, flags, 0o600, dir_fd=self.dir_fd)
+        except OSError as exc:
+            if is_full(exc):
+                raise full_error(exc, "the memory folder's lock file", where) from None
+            if exc.errno in (errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.ENODEV):
+                raise self._bad_lock(where, exc.strerror or "cannot be opened") from None
+            raise
+        try:
+            check_descriptor(fd, where)
         except SlotUnavailable as exc:
+            kind = os.fstat(fd).st_mode
             os.close(fd)
-            raise UnsafePathError(str(exc)) from None
+            if exc.reason == NOT_A_FILE:
+                raise self._bad_lock(where, _kind_name(kind)) from None
+            raise UnsafePathError(str(exc), reason=exc.reason, path=where) from None
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
@@ -143,6 +192,17 @@ class MemoryFolder:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd
+
+    @staticmethod
+    def _bad_lock(where: str, what: str) -> UnsafePathError:
+        return UnsafePathError(
+            f"memory folder lock {where} is not a regular file ({what}); lm-resiliency "
+            "creates it as a private file and never uses anything else in its place. Fix: "
+            f"remove it (rm -r {where}) if no job of yours uses this folder, or choose "
+            "another memory_folder",
+            reason=NOT_A_FILE,
+            path=where,
+        )
 
     def file_path(self, slot_name: str) -> Path:
         return self.path / slot_file_name(slot_name)
@@ -223,6 +283,20 @@ class MemoryFolder:
                 with contextlib.suppress(OSError):
                     os.close(fd)
                 setattr(self, attr, None)
+
+
+def _kind_name(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
 
 
 def _in_use(topology_path: Path) -> bool:

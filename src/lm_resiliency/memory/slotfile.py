@@ -13,7 +13,8 @@ before any of its bytes change and ``COMMITTED`` only after the arena and the
 record are complete, so a process killed mid-copy or mid-receive leaves a
 file that recovery never selects. The record names the run, topology, holder
 rank, owner rank, role, generation, step, timeline, layout, non-tensor
-document and (with ``verify_integrity``) one CRC-32C per chunk of the arena.
+document and one CRC-32C per chunk of the arena (always: a re-attached slot
+is checked against them before any byte of it is used).
 
 Space is reserved with ``posix_fallocate`` before the first byte is copied:
 a full memory filesystem fails with :class:`MemoryFolderFull` (a clear error,
@@ -41,7 +42,7 @@ import torch
 
 from lm_resiliency import _strict_json as strict_json
 from lm_resiliency.capture import Layout, populate
-from lm_resiliency.checksums import crc_count
+from lm_resiliency.checksums import arena_crcs, crc_count
 from lm_resiliency.errors import CaptureError, ResiliencyError, StateSchemaError
 from lm_resiliency.knobs import CRC_CHUNK_BYTES as _CRC_CHUNK_BYTES
 from lm_resiliency.knobs import SLOT_RECORD_RESERVE_BYTES
@@ -118,6 +119,22 @@ class MemoryFolderFull(CaptureError):
     """The memory filesystem has no room for a slot; the message names folder, sizes and fixes."""
 
 
+#: ``errno`` values that mean "this filesystem (or quota) has no room": out of blocks,
+#: out of inodes (both ENOSPC) or over a quota.
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_full(exc: OSError) -> bool:
+    """Whether ``exc`` says the memory filesystem has no room (blocks, inodes or quota)."""
+    return exc.errno in FULL_ERRNOS
+
+
+def full_error(exc: OSError, what: str, where: str) -> MemoryFolderFull:
+    """The :class:`MemoryFolderFull` for ``exc`` while making ``what`` in ``where``."""
+    hint = " (out of space or of inodes: see df -h and df -i)" if exc.errno == errno.ENOSPC else ""
+    return MemoryFolderFull(f"no room for {what} in {where}: {exc.strerror}{hint}")
+
+
 @dataclass(frozen=True)
 class SlotIdentity:
     """Where a slot belongs: run, topology, the rank whose folder holds it, its owner and role."""
@@ -151,13 +168,6 @@ def round_up(nbytes: int) -> int:
 def file_bytes_for(data_bytes: int) -> int:
     """Bytes a slot of ``data_bytes`` reserves on the memory filesystem."""
     return PAGE + round_up(data_bytes) + RECORD_RESERVE_BYTES
-
-
-def arena_crcs(arena: torch.Tensor) -> tuple[int, ...]:
-    """CRC-32C of every :data:`CRC_CHUNK_BYTES` chunk of a flat uint8 CPU tensor."""
-    view = memoryview(arena.numpy())  # type: ignore[arg-type]
-    n = len(view)
-    return tuple(crc32c.crc32c(view[o : o + CRC_CHUNK_BYTES]) for o in range(0, n, CRC_CHUNK_BYTES))
 
 
 class SlotFile:
@@ -200,16 +210,19 @@ class SlotFile:
         """
         tmp = temp_name(name)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+        total = file_bytes_for(data_bytes)
         try:
-            total = file_bytes_for(data_bytes)
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+        except OSError as exc:
+            if is_full(exc):  # e.g. a tmpfs out of inodes
+                raise full_error(exc, f"a {total}-byte memory slot", where) from None
+            raise
+        try:
             try:
                 os.posix_fallocate(fd, 0, total)
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
-                    raise MemoryFolderFull(
-                        f"no room for a {total}-byte memory slot in {where}: {exc.strerror}"
-                    ) from None
+                if is_full(exc) or exc.errno == errno.ENOMEM:
+                    raise full_error(exc, f"a {total}-byte memory slot", where) from None
                 raise
             os.pwrite(fd, _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, -1, data_bytes, 0, 0, 0), 0)
             slot = cls(dir_fd, name, fd, data_bytes, where=where)
@@ -299,9 +312,7 @@ class SlotFile:
             try:
                 os.posix_fallocate(fd, offset, len(blob))
             except OSError as exc:
-                raise MemoryFolderFull(
-                    f"no room for a {len(blob)}-byte commit record in {self.where}: {exc.strerror}"
-                ) from None
+                raise full_error(exc, f"a {len(blob)}-byte commit record", self.where) from None
         self.mark(SlotFileState.WRITING)
         pwrite_all(fd, blob, offset)
         prefix = _PREFIX.pack(
@@ -318,17 +329,18 @@ class SlotFile:
         pwrite_all(fd, prefix, 0)
         self.mark(SlotFileState.COMMITTED)
 
-    def verify(self, record: SlotRecord, *, required: bool) -> None:
+    def verify(self, record: SlotRecord, *, required: bool = True) -> None:
         """Check the arena against the record's checksums; raise :class:`SlotUnavailable`.
 
-        ``required``: a record without checksums is refused (``verify_integrity``).
+        ``required``: a record without checksums is refused (``checksum_missing``).
         """
         if record.crcs is None:
             if required:
                 raise SlotUnavailable(
                     SlotReason.CHECKSUM_MISSING,
                     self.where,
-                    "written without checksums but verify_integrity=True",
+                    "its record carries no checksums (an older release wrote it), so its "
+                    "bytes cannot be verified; memory slots are always checksummed",
                 )
             return
         actual = arena_crcs(self.arena)

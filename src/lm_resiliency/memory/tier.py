@@ -13,6 +13,15 @@ of a manager's own and peer slots when ``memory_folder`` is set. Call order
 When the budget does not fit (or a reservation fails later) the tier falls
 back to process memory with one warning saying what is lost (crash
 survival), unless ``required``: then it raises :class:`MemoryFolderFull`.
+Any "no room" from the filesystem (out of space, out of inodes, over a quota)
+takes that same path.
+
+Every slot file carries one CRC-32C per chunk of its arena, computed by the
+capture worker (own slots) or verified on receipt (held replicas), never on
+the training thread. A re-attached slot is checked against them before it is
+used; a mismatch, or a record without them, makes the slot unavailable
+(``checksum_mismatch`` / ``checksum_missing``) and recovery moves on to the
+next source. ``verify_integrity`` is about node-local shards only.
 """
 
 from __future__ import annotations
@@ -31,8 +40,9 @@ from lm_resiliency.memory.slotfile import (
     SlotFileState,
     SlotIdentity,
     SlotRecord,
-    arena_crcs,
     file_bytes_for,
+    full_error,
+    is_full,
 )
 
 log = logging.getLogger(__name__)
@@ -65,7 +75,8 @@ class _SharedArena:
         assert slot.layout is not None and slot.step is not None and slot.document is not None
         assert slot.owner_rank is not None
         tier = self._tier
-        crcs = arena_crcs(self.file.arena) if tier.verify_integrity else None
+        if slot.crcs is None:
+            raise ValueError(f"memory slot {self.file.where}: sealed without checksums")
         self.file.commit(
             tier.identity(self.slot_name, slot.owner_rank),
             generation=tier.next_generation(),
@@ -73,7 +84,7 @@ class _SharedArena:
             timeline=tier.timeline,
             layout=slot.layout,
             state=slot.document,
-            crcs=crcs,
+            crcs=slot.crcs,
         )
 
     def retract(self) -> None:
@@ -81,9 +92,13 @@ class _SharedArena:
         self.file.mark(SlotFileState.EMPTY)
 
     def verify(self) -> None:
-        """Check an attached arena's checksums (``verify_integrity``); raise ``SlotUnavailable``."""
+        """Check an attached arena against its record's checksums; raise ``SlotUnavailable``.
+
+        Once per attachment: a slot that passed is trusted for the rest of this process.
+        """
         if self.record is not None:
-            self.file.verify(self.record, required=self._tier.verify_integrity)
+            self.file.verify(self.record, required=True)
+            self.record = None
 
     def hand_over(self) -> torch.Tensor:
         return self.file.hand_over()
@@ -106,7 +121,6 @@ class MemoryTier:
         topology: str,
         rank: int,
         peer_owner: int | None,
-        verify_integrity: bool,
         required: bool,
         slots: int,
     ) -> None:
@@ -115,7 +129,6 @@ class MemoryTier:
         self.topology = topology
         self.rank = rank
         self.peer_owner = peer_owner
-        self.verify_integrity = verify_integrity
         self.required = required
         self.slots = slots
         self.timeline: str | None = None
@@ -219,6 +232,10 @@ class MemoryTier:
                 file = self.folder.create(slot_name, nbytes)
             except MemoryFolderFull as exc:
                 self._fall_back(str(exc))
+            except OSError as exc:  # "no room" from any other step: the same fallback
+                if not is_full(exc):
+                    raise
+                self._fall_back(str(full_error(exc, "a memory slot", str(self.folder.path))))
             else:
                 if pin:
                     file.pin()

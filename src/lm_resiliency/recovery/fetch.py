@@ -276,7 +276,9 @@ def _move(
                 send_checkpoint(ctx.channel, key, header=header, reader=served)
             else:
                 header = make_header(ctx.run_id, owner, step, served.layout, served.document)
-                send_checkpoint(ctx.channel, key, header=header, arena=served.arena)
+                send_checkpoint(
+                    ctx.channel, key, header=header, arena=served.arena, slot_crcs=served.crcs
+                )
         except Exception as exc:
             errors["send"] = _reason(exc)
 

@@ -52,6 +52,9 @@ class Material:
     document: dict[str, Any]
     consume: Callable[[], object] | None = None
     """Called once every rank agreed on the step (own memory: hand the slot over)."""
+    crcs: tuple[int, ...] | None = None
+    """The arena's CRC-32C per chunk as recorded when it was filled (memory slots), sent
+    with it when it is served to its owner, so damage since then is refused there."""
 
 
 Served = Material | ShardReader
@@ -104,7 +107,7 @@ class MemorySlots:
                 assert s.handle is not None
                 s.handle.verify()
                 consume = functools.partial(s.take, step) if self.consumes else None
-                return Material(s.layout, s.arena, s.document, consume)
+                return Material(s.layout, s.arena, s.document, consume, s.crcs)
         raise LookupError(f"no complete slot holds step {step}")
 
 

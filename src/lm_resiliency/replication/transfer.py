@@ -83,8 +83,14 @@ def send_checkpoint(
     header: dict[str, Any],
     arena: torch.Tensor | None = None,
     reader: ArenaReader | None = None,
+    slot_crcs: tuple[int, ...] | None = None,
 ) -> None:
     """Send a checkpoint (described by ``header``) to ``key.dst`` under ``key``.
+
+    ``slot_crcs`` (with ``arena``): the arena's checksums per :data:`CRC_CHUNK_BYTES`
+    as recorded when it was filled (a memory slot's); they are sent instead of
+    checksums of the bytes as they are now, so damage since then is caught by
+    the receiver.
 
     The bytes come from ``arena`` or from ``reader`` (read on a helper thread
     :data:`READ_AHEAD_CHUNKS` chunks ahead of the transport, into a ring of
@@ -103,6 +109,8 @@ def send_checkpoint(
     if key.layout_digest != header.get("layout_digest") or key.total_bytes != total:
         raise ValueError(f"transfer {key.name!r}: key does not describe the arena being sent")
     known = reader.checksums() if reader is not None else None
+    if slot_crcs is not None and arena is not None:
+        known = (CRC_CHUNK_BYTES, list(slot_crcs))
     crc_chunk, crcs = known if known is not None else (CRC_CHUNK_BYTES, None)
     running = ChunkCrc(crc_chunk, total) if crcs is None else None
     read_piece = _ReadAhead(reader, channel, total) if reader is not None else None

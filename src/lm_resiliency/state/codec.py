@@ -415,7 +415,7 @@ class _Encoder:
             )
 
     def np_dtype(self, dt: np.dtype[Any], x: Any, pre: str) -> str:
-        s = dt.str
+        s: str = dt.str
         scalar = isinstance(x, np.generic)
         if dt.hasobject or (dt.itemsize == 0 and not scalar) or not NP_DTYPE_PATTERN.fullmatch(s):
             kind = "NumPy scalar" if scalar else "numpy.ndarray"
