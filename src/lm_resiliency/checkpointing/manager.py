@@ -12,7 +12,8 @@ Call order on every rank (the contract's training loop)::
     manager.close()
 
 and on recovery, on every rank: ``step = manager.find_latest()`` then
-``state = manager.load(step)``.
+``state = manager.load(step)``, apply ``state``, then ``manager.commit_recovery()``
+(``save`` and ``maybe_wait`` commit it too, at the latest).
 
 Which calls are collective: the constructor (creates the control plane,
 agrees the run id, topology fingerprint and timelines, connects the
@@ -31,6 +32,7 @@ comes from memory, not disk.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import sys
 import threading
@@ -115,6 +117,8 @@ class InMemoryCheckpointManager:
         self._verdict: RecoveryVerdict | None = None
         self._trust_lock = threading.Lock()
         self._last_capture: int | None = None
+        self._handovers: list[Callable[[], object]] = []
+        """Own-memory slots the last ``load`` used, handed over at ``commit_recovery``."""
         self._other_topologies: list[str] = []
         """Namespaces of this run for another topology (another world size or pairing)."""
         self.control = ControlPlane(self.group, timeout_s=cfg.control_timeout_s)
@@ -307,6 +311,7 @@ class InMemoryCheckpointManager:
             return
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int (the optimizer step)")
+        self.commit_recovery()  # training went on: the recovered state was applied
         self.history.commit(None, None)  # no recovery decided before: this is a fresh timeline
         self._engine.capture(state, step)
 
@@ -318,6 +323,7 @@ class InMemoryCheckpointManager:
         for a failed background capture.
         """
         self._check_open()
+        self.commit_recovery()  # before the optimizer changes what load() returned
         self._engine.wait_captured()
 
     def _after_capture(self, slot: Slot) -> None:
@@ -556,12 +562,18 @@ class InMemoryCheckpointManager:
         ``last_recovery`` then says which step and sources were used. Raises
         ``NoConsistentStep``.
 
-        Restoring from own memory copies nothing: the slot's arena is handed to
-        the caller and that slot is empty until the next capture (the step stays
-        recoverable from the peer's replica and from disk where persisted).
+        Restoring from own memory copies nothing: the returned tensors are
+        views of the slot's arena. The slot is handed over (it leaves the memory
+        folder and is empty until the next capture; the step stays recoverable
+        from the peer's replica and from disk where persisted) only at
+        :meth:`commit_recovery`, which ``save`` and ``maybe_wait`` call too.
+        Until then it stays committed: a process that dies while applying the
+        state (or that raises first) leaves it for the restarted process.
         """
         self._check_open()
         outcome = self._restorer.load(step, RecoveryMode(mode), self.load_fallback)
+        if outcome.fetched is not None and outcome.fetched.consume is not None:
+            self._handovers.append(outcome.fetched.consume)
         self.last_recovery = outcome.report
         chosen = outcome.report.step
         fresh = self._last_capture is None  # nothing written under this timeline yet
@@ -571,6 +583,18 @@ class InMemoryCheckpointManager:
             parent = self._timeline_of(chosen)
             self.history.commit(parent, chosen, replace=fresh)
         return outcome.state
+
+    def commit_recovery(self) -> None:
+        """Local: the state of the last ``load`` is applied; hand its own-memory slot over.
+
+        Call after the recovered state is in the model and optimizer (the front
+        door calls it once the adapter applied it; ``save`` and ``maybe_wait``
+        call it too). Idempotent; does nothing when ``load`` used no own slot.
+        """
+        handovers, self._handovers = self._handovers, []
+        for consume in handovers:
+            with contextlib.suppress(LookupError):  # already taken, or dropped since
+                consume()
 
     def _timeline_of(self, step: int) -> str | None:
         """The timeline of the recovered step (agreed: rank 0's view of its generation)."""

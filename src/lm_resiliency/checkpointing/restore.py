@@ -118,17 +118,12 @@ class Restorer:
                 problems += got.problems
                 if self._control.rank == 0:
                     log.warning(
-                        "step %d is unusable (%s); %s",
+                        "step %d is unusable (%s); walking back%s",
                         s,
                         "; ".join(got.problems) or "a source failed",
-                        "failing closed (RECOVERY_VERIFIED never falls back to unverified state)"
+                        " to an older verified step"
                         if mode is RecoveryMode.RECOVERY_VERIFIED
-                        else "walking back",
-                    )
-                if mode is RecoveryMode.RECOVERY_VERIFIED:
-                    raise NoConsistentStep(
-                        f"verified step {s} failed validation: {'; '.join(got.problems)}; "
-                        "failing closed (RECOVERY_VERIFIED never falls back to unverified state)"
+                        else "",
                     )
                 continue
             phases = {"agree": t_agree, "fetch": time.perf_counter() - t1, **got.phases_s}
@@ -138,6 +133,11 @@ class Restorer:
             )
             self._record(report)
             return Outcome(got.state, report, got)
+        if failed and mode is RecoveryMode.RECOVERY_VERIFIED:
+            raise NoConsistentStep(
+                f"every verified step failed validation (tried {failed}): {'; '.join(problems)}; "
+                "failing closed (RECOVERY_VERIFIED never falls back to unverified state)"
+            )
         why = (
             f"every common step failed validation (tried {failed})"
             if failed

@@ -1,0 +1,54 @@
+"""Two jobs under one run id: a job of another topology never deletes the first job's slots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lm_resiliency import InMemoryCkptConfig
+from lm_resiliency.experimental import InMemoryCheckpointManager
+from lm_resiliency.testing import run_distributed
+
+_RUN = "namespaces-test"
+
+
+def _state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(rank * 1000 + step)
+    return {"model": {"w": torch.randn(64, 33, generator=g)}, "sampler": {"offset": step * 8}}
+
+
+def _cfg(disk: str) -> InMemoryCkptConfig:
+    return InMemoryCkptConfig(disk_folder=disk, disk_flush_interval=0, run_id=_RUN)
+
+
+def _train_then_die(rank: int, world: int, disk: str) -> None:
+    m = InMemoryCheckpointManager(_cfg(disk))
+    for step in (5, 10):
+        m.save(_state(rank, step), step)
+        m.maybe_wait()
+    m.wait_persisted()
+    m.close(finished=False)  # leaving on an error: the slots stay for the restarted job
+
+
+def _restart(rank: int, world: int, disk: str) -> dict:
+    with InMemoryCheckpointManager(_cfg(disk)) as m:
+        step = m.find_latest()
+        state = m.load(step) if step is not None else None
+        expected = _state(rank, 10)["model"]["w"]
+        same = state is not None and torch.equal(state["model"]["w"], expected)
+        return {"step": step, "sources": m.last_recovery.sources, "same": same}
+
+
+def test_a_run_with_another_world_size_keeps_the_original_topologys_slots(tmp_path: Path) -> None:
+    disk = str(tmp_path / "disk")
+    run_distributed(_train_then_die, 2, args=(disk,), timeout_s=120)
+    # The operator's mistake: the same run id with world size 1 runs to the end.
+    with InMemoryCheckpointManager(_cfg(disk)) as single:
+        assert single.find_latest() is None  # another topology's slots are not its own
+        single.save(_state(0, 3), 3)
+        single.maybe_wait()
+    out = run_distributed(_restart, 2, args=(disk,), timeout_s=120)
+    for o in out:
+        assert o["step"] == 10 and o["same"], o
+        assert o["sources"] == ["own memory", "own memory"], o
