@@ -52,3 +52,55 @@ def test_a_run_with_another_world_size_keeps_the_original_topologys_slots(tmp_pa
     for o in out:
         assert o["step"] == 10 and o["same"], o
         assert o["sources"] == ["own memory", "own memory"], o
+
+
+_HOLDER = """
+import sys, time, torch
+from lm_resiliency import InMemoryCkptConfig
+from lm_resiliency.experimental import InMemoryCheckpointManager
+cfg = InMemoryCkptConfig(disk_folder=sys.argv[1], disk_flush_interval=1, memory_folder=None,
+                         run_id=sys.argv[2], signal_flush=False)
+m = InMemoryCheckpointManager(cfg)
+for step in (1, 2):
+    m.save({"w": torch.full((8,), float(step))}, step)
+    m.maybe_wait()
+m.wait_persisted()
+print("holding", flush=True)
+sys.stdin.readline()  # until the test closes our stdin
+m.close(finished=False)  # leaves as a crashed job would: its run is not finished
+"""
+
+
+def test_a_second_live_job_with_the_same_run_id_and_disk_folder_is_refused(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    import pytest
+
+    from lm_resiliency import ResiliencyError
+
+    disk = tmp_path / "disk"
+    job_a = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(disk), "shared-run"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert job_a.stdout is not None and job_a.stdout.readline().strip() == "holding"
+        cfg = InMemoryCkptConfig(
+            disk_folder=str(disk), memory_folder=None, run_id="shared-run", signal_flush=False
+        )
+        with pytest.raises(
+            ResiliencyError, match=rf"in use by another live job \(pid {job_a.pid} "
+        ):
+            InMemoryCheckpointManager(cfg)
+    finally:
+        assert job_a.stdin is not None
+        job_a.stdin.close()
+        assert job_a.wait(timeout=60) == 0
+    # Once job A is gone, its lock is free: a restart of the run recovers A's step 2.
+    with InMemoryCheckpointManager(cfg) as m:
+        assert m.find_latest() == 2

@@ -65,6 +65,8 @@ from lm_resiliency.persistence import (
     resolve_run_id,
     topology_fingerprint,
 )
+from lm_resiliency.persistence import namespace as ns
+from lm_resiliency.persistence.disk_lock import DiskLock
 from lm_resiliency.persistence.lineage import Lineage
 from lm_resiliency.recovery.availability import Report, Source
 from lm_resiliency.recovery.fetch import FetchContext
@@ -178,6 +180,7 @@ class InMemoryCheckpointManager:
                 backing=backing,
             )
         self._store: ShardStore | None = None
+        self._disk_lock: DiskLock | None = None
         self._store_lock = threading.Lock()
         self._flusher = DiskFlusher(self.store, trust=self._trust)
         self._engine = CaptureEngine(
@@ -285,9 +288,13 @@ class InMemoryCheckpointManager:
         found: list[Lineage | None] = []
         if self.tier is not None:
             found.append(self.tier.folder.read_lineage())
-        if Path(self.config.disk_folder).is_dir():
-            found.append(self.store().read_lineage())
+        if self._run_on_disk():
+            found.append(self.store().read_lineage())  # takes the disk lock: refused if live
         return found
+
+    def _run_on_disk(self) -> bool:
+        """Whether this run's namespace exists in ``disk_folder`` (never created to look)."""
+        return (Path(self.config.disk_folder) / ns.run_dir(self.run_id)).is_dir()
 
     @staticmethod
     def _publish_memory(tier: MemoryTier, lineage: Lineage, timeline: str) -> None:
@@ -410,6 +417,8 @@ class InMemoryCheckpointManager:
         self._engine.close()
         if self.tier is not None:
             self.tier.close(remove=False)
+        if self._disk_lock is not None:
+            self._disk_lock.release()
 
     @property
     def survives_process(self) -> bool:
@@ -423,10 +432,15 @@ class InMemoryCheckpointManager:
 
     # ------------------------------------------------------------------ persistence
     def store(self) -> ShardStore:
-        """This rank's node-local shard store (created on first use)."""
+        """This rank's node-local shard store (created on first use).
+
+        Creating it takes this rank's disk lock of the run (``live-rank-<R>.lock`` in
+        the run's folder, see :mod:`lm_resiliency.persistence.disk_lock`); raises
+        ``ResiliencyError`` naming the other job when a live one holds it.
+        """
         with self._store_lock:
             if self._store is None:
-                self._store = ShardStore(
+                store = ShardStore(
                     self.config.disk_folder,
                     run_id=self.run_id,
                     topology=self.topology,
@@ -434,6 +448,12 @@ class InMemoryCheckpointManager:
                     verify_integrity=self.config.verify_integrity,
                     keep_generations=self.config.keep_generations,
                 )
+                try:
+                    self._disk_lock = DiskLock.take(store.root, run_id=self.run_id, rank=self.rank)
+                except BaseException:
+                    store.close()
+                    raise
+                self._store = store
                 history = getattr(self, "history", None)
                 if history is not None:
                     store = self._store
@@ -441,8 +461,8 @@ class InMemoryCheckpointManager:
             return self._store
 
     def _disk_store(self) -> ShardStore | None:
-        # Files can only exist where the folder does; never create it just to look.
-        if self._store is not None or Path(self.config.disk_folder).is_dir():
+        # Files can only exist where the run's folder does; never create it just to look.
+        if self._store is not None or self._run_on_disk():
             return self.store()
         return None
 
@@ -700,6 +720,8 @@ class InMemoryCheckpointManager:
         self._trust_writer.close()
         if self._store is not None:
             self._store.close()
+        if self._disk_lock is not None:
+            self._disk_lock.release()
         self.control.close()
 
     def _check_open(self) -> None:
