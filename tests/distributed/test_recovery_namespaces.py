@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from lm_resiliency import InMemoryCkptConfig
@@ -77,8 +78,6 @@ def test_a_second_live_job_with_the_same_run_id_and_disk_folder_is_refused(
     import subprocess
     import sys
 
-    import pytest
-
     from lm_resiliency import ResiliencyError
 
     disk = tmp_path / "disk"
@@ -104,3 +103,18 @@ def test_a_second_live_job_with_the_same_run_id_and_disk_folder_is_refused(
     # Once job A is gone, its lock is free: a restart of the run recovers A's step 2.
     with InMemoryCheckpointManager(cfg) as m:
         assert m.find_latest() == 2
+
+
+def test_every_recovery_prints_one_line_without_any_logging_setup(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _cfg(str(tmp_path / "disk"))
+    with InMemoryCheckpointManager(cfg, load_fallback=lambda: "durable") as m:
+        assert m.load() == "durable"  # nothing captured yet: the fallback
+        m.save(_state(0, 4), 4)
+        m.maybe_wait()
+        m.load(4)
+    lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("lm-resiliency:")]
+    assert len(lines) == 2, lines
+    assert "load_fallback() was used (fallback on ranks [0])" in lines[0]
+    assert "recovered step 4 (own memory on ranks [0]) in " in lines[1]

@@ -91,6 +91,8 @@ def test_hand_over_takes_the_file_out_and_the_next_capture_makes_a_new_one(
     _crash_after((10,))
     with InMemoryCheckpointManager(_cfg()) as m:
         state = m.load(m.find_latest())
+        assert len(_slots(_isolated_memory_folder)) == 1  # attachable until it was applied
+        m.commit_recovery()
         assert _slots(_isolated_memory_folder) == []  # handed over: no name refers to it
         assert _same(state, _state(10))  # the caller's tensors stay valid
         m.save(_state(15), 15)

@@ -263,7 +263,11 @@ class InMemoryCheckpointManager:
             return
         attached, problems = self.tier.attach(pin=self.config.pin_memory)
         for line in problems:
-            log.warning("rank %d: ignoring %s", self.rank, line)
+            if "(not_committed)" in line:  # the previous process died mid-capture: routine
+                log.info("rank %d: not using a capture the previous process left half-written "
+                         "(%s)", self.rank, line)  # fmt: skip
+            else:
+                log.warning("rank %d: ignoring %s", self.rank, line)
         own: list[Adopted] = []
         held: list[Adopted] = []
         for a, handle in attached:

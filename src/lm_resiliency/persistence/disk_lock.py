@@ -65,9 +65,7 @@ class DiskLock:
         self.where = where
 
     @classmethod
-    def take(
-        cls, root: Path, *, run_id: str, rank: int, wait_s: float = LOCK_WAIT_S
-    ) -> DiskLock:
+    def take(cls, root: Path, *, run_id: str, rank: int, wait_s: float = LOCK_WAIT_S) -> DiskLock:
         """Lock ``root``'s namespace of ``run_id`` for ``rank`` (the run folder must exist).
 
         Raises ``ResiliencyError`` naming the holder when another live process keeps
@@ -134,7 +132,8 @@ def held_locks(run_path: Path) -> list[str]:
         if not LOCK_RE.fullmatch(name):
             continue
         try:
-            fd = os.open(run_path / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(run_path / name, flags)
         except OSError:
             continue
         try:
