@@ -117,6 +117,33 @@ def test_a_corrupted_newest_generation_makes_every_rank_walk_back(tmp_path) -> N
     _assert_all_walked_back_to_10_from_own_disk(out)
 
 
+def _verified_walk_back(rank: int, world: int, tmp: str) -> dict:
+    with InMemoryCheckpointManager(_cfg(tmp, disk_flush_interval=10)) as m:
+        _persisted_then_restarted(m, rank)  # only node-local files remain
+        m.mark_verified(10)
+        m.mark_verified(20)
+        newest = m.find_latest(RecoveryMode.RECOVERY_VERIFIED)
+        if rank == 1:  # damage rank 1's newest verified shard (its own file and the peer's copy)
+            path = m.store().path_for(1, 20)
+            data = path.read_bytes()
+            path.write_bytes(data[: len(data) // 2])
+        torch.distributed.barrier()
+        state = m.load(mode=RecoveryMode.RECOVERY_VERIFIED)
+        rep = m.last_recovery
+        return {
+            "newest": newest,
+            "loaded": rep.step,
+            "walked": rep.walked_back_from,
+            "same": _same(state, _state(rank, rep.step)),
+            "sources": rep.sources,
+        }
+
+
+def test_a_corrupt_newest_verified_step_walks_back_to_an_older_verified_one(tmp_path) -> None:
+    out = run_distributed(_verified_walk_back, 2, args=(str(tmp_path),), timeout_s=150)
+    _assert_all_walked_back_to_10_from_own_disk(out)
+
+
 def _damaged_peer_file(rank: int, world: int, tmp: str) -> dict:
     # One folder per rank, as on separate nodes: rank 0's folder holds rank 1's replica.
     # verify_integrity stores a CRC per chunk; without it a rotten byte goes unnoticed.

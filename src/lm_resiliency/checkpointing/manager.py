@@ -12,7 +12,8 @@ Call order on every rank (the contract's training loop)::
     manager.close()
 
 and on recovery, on every rank: ``step = manager.find_latest()`` then
-``state = manager.load(step)``.
+``state = manager.load(step)``, apply ``state``, then ``manager.commit_recovery()``
+(``save`` and ``maybe_wait`` commit it too, at the latest).
 
 Which calls are collective: the constructor (creates the control plane,
 agrees the run id, topology fingerprint and timelines, connects the
@@ -31,6 +32,7 @@ comes from memory, not disk.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import sys
 import threading
@@ -63,6 +65,8 @@ from lm_resiliency.persistence import (
     resolve_run_id,
     topology_fingerprint,
 )
+from lm_resiliency.persistence import namespace as ns
+from lm_resiliency.persistence.disk_lock import DiskLock
 from lm_resiliency.persistence.lineage import Lineage
 from lm_resiliency.recovery.availability import Report, Source
 from lm_resiliency.recovery.fetch import FetchContext
@@ -115,6 +119,8 @@ class InMemoryCheckpointManager:
         self._verdict: RecoveryVerdict | None = None
         self._trust_lock = threading.Lock()
         self._last_capture: int | None = None
+        self._handovers: list[Callable[[], object]] = []
+        """Own-memory slots the last ``load`` used, handed over at ``commit_recovery``."""
         self._other_topologies: list[str] = []
         """Namespaces of this run for another topology (another world size or pairing)."""
         self.control = ControlPlane(self.group, timeout_s=cfg.control_timeout_s)
@@ -177,6 +183,7 @@ class InMemoryCheckpointManager:
                 backing=backing,
             )
         self._store: ShardStore | None = None
+        self._disk_lock: DiskLock | None = None
         self._store_lock = threading.Lock()
         self._flusher = DiskFlusher(self.store, trust=self._trust)
         self._engine = CaptureEngine(
@@ -263,7 +270,11 @@ class InMemoryCheckpointManager:
             return
         attached, problems = self.tier.attach(pin=self.config.pin_memory)
         for line in problems:
-            log.warning("rank %d: ignoring %s", self.rank, line)
+            if "(not_committed)" in line:  # the previous process died mid-capture: routine
+                log.info("rank %d: not using a capture the previous process left half-written "
+                         "(%s)", self.rank, line)  # fmt: skip
+            else:
+                log.warning("rank %d: ignoring %s", self.rank, line)
         own: list[Adopted] = []
         held: list[Adopted] = []
         for a, handle in attached:
@@ -288,9 +299,13 @@ class InMemoryCheckpointManager:
         found: list[Lineage | None] = []
         if self.tier is not None:
             found.append(self.tier.folder.read_lineage())
-        if Path(self.config.disk_folder).is_dir():
-            found.append(self.store().read_lineage())
+        if self._run_on_disk():
+            found.append(self.store().read_lineage())  # takes the disk lock: refused if live
         return found
+
+    def _run_on_disk(self) -> bool:
+        """Whether this run's namespace exists in ``disk_folder`` (never created to look)."""
+        return (Path(self.config.disk_folder) / ns.run_dir(self.run_id)).is_dir()
 
     @staticmethod
     def _publish_memory(tier: MemoryTier, lineage: Lineage, timeline: str) -> None:
@@ -314,6 +329,7 @@ class InMemoryCheckpointManager:
             return
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int (the optimizer step)")
+        self.commit_recovery()  # training went on: the recovered state was applied
         self.history.commit(None, None)  # no recovery decided before: this is a fresh timeline
         self._engine.capture(state, step)
 
@@ -325,6 +341,7 @@ class InMemoryCheckpointManager:
         for a failed background capture.
         """
         self._check_open()
+        self.commit_recovery()  # before the optimizer changes what load() returned
         self._engine.wait_captured()
 
     def _after_capture(self, slot: Slot) -> None:
@@ -414,6 +431,8 @@ class InMemoryCheckpointManager:
             log.error("rank %d: %s", self.rank, exc)
         if self.tier is not None:
             self.tier.close(remove=False)
+        if self._disk_lock is not None:
+            self._disk_lock.release()
 
     @property
     def survives_process(self) -> bool:
@@ -427,10 +446,15 @@ class InMemoryCheckpointManager:
 
     # ------------------------------------------------------------------ persistence
     def store(self) -> ShardStore:
-        """This rank's node-local shard store (created on first use)."""
+        """This rank's node-local shard store (created on first use).
+
+        Creating it takes this rank's disk lock of the run (``live-rank-<R>.lock`` in
+        the run's folder, see :mod:`lm_resiliency.persistence.disk_lock`); raises
+        ``ResiliencyError`` naming the other job when a live one holds it.
+        """
         with self._store_lock:
             if self._store is None:
-                self._store = ShardStore(
+                store = ShardStore(
                     self.config.disk_folder,
                     run_id=self.run_id,
                     topology=self.topology,
@@ -438,6 +462,12 @@ class InMemoryCheckpointManager:
                     verify_integrity=self.config.verify_integrity,
                     keep_generations=self.config.keep_generations,
                 )
+                try:
+                    self._disk_lock = DiskLock.take(store.root, run_id=self.run_id, rank=self.rank)
+                except BaseException:
+                    store.close()
+                    raise
+                self._store = store
                 history = getattr(self, "history", None)
                 if history is not None:
                     store = self._store
@@ -445,8 +475,8 @@ class InMemoryCheckpointManager:
             return self._store
 
     def _disk_store(self) -> ShardStore | None:
-        # Files can only exist where the folder does; never create it just to look.
-        if self._store is not None or Path(self.config.disk_folder).is_dir():
+        # Files can only exist where the run's folder does; never create it just to look.
+        if self._store is not None or self._run_on_disk():
             return self.store()
         return None
 
@@ -566,12 +596,18 @@ class InMemoryCheckpointManager:
         ``last_recovery`` then says which step and sources were used. Raises
         ``NoConsistentStep``.
 
-        Restoring from own memory copies nothing: the slot's arena is handed to
-        the caller and that slot is empty until the next capture (the step stays
-        recoverable from the peer's replica and from disk where persisted).
+        Restoring from own memory copies nothing: the returned tensors are
+        views of the slot's arena. The slot is handed over (it leaves the memory
+        folder and is empty until the next capture; the step stays recoverable
+        from the peer's replica and from disk where persisted) only at
+        :meth:`commit_recovery`, which ``save`` and ``maybe_wait`` call too.
+        Until then it stays committed: a process that dies while applying the
+        state (or that raises first) leaves it for the restarted process.
         """
         self._check_open()
         outcome = self._restorer.load(step, RecoveryMode(mode), self.load_fallback)
+        if outcome.fetched is not None and outcome.fetched.consume is not None:
+            self._handovers.append(outcome.fetched.consume)
         self.last_recovery = outcome.report
         chosen = outcome.report.step
         fresh = self._last_capture is None  # nothing written under this timeline yet
@@ -581,6 +617,18 @@ class InMemoryCheckpointManager:
             parent = self._timeline_of(chosen)
             self.history.commit(parent, chosen, replace=fresh)
         return outcome.state
+
+    def commit_recovery(self) -> None:
+        """Local: the state of the last ``load`` is applied; hand its own-memory slot over.
+
+        Call after the recovered state is in the model and optimizer (the front
+        door calls it once the adapter applied it; ``save`` and ``maybe_wait``
+        call it too). Idempotent; does nothing when ``load`` used no own slot.
+        """
+        handovers, self._handovers = self._handovers, []
+        for consume in handovers:
+            with contextlib.suppress(LookupError):  # already taken, or dropped since
+                consume()
 
     def _timeline_of(self, step: int) -> str | None:
         """The timeline of the recovered step (agreed: rank 0's view of its generation)."""
@@ -690,6 +738,8 @@ class InMemoryCheckpointManager:
         self._trust_writer.close()
         if self._store is not None:
             self._store.close()
+        if self._disk_lock is not None:
+            self._disk_lock.release()
         self.control.close()
         if died is not None:
             raise died

@@ -32,6 +32,8 @@ from lm_resiliency.knobs import CRC_CHUNK_BYTES
 from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
 
 log = logging.getLogger(__name__)
+_WARN_AFTER_FAILURES = 3
+"""Consecutive failed replication cycles after which the failure is logged as a warning."""
 
 
 @dataclass
@@ -65,6 +67,7 @@ class PeerReplicas:
         self.pin_memory = pin_memory
         self.slots = [Slot("peer_0", backing=backing), Slot("peer_1", backing=backing)]
         self.stats = ReplicationStats()
+        self._failed_in_a_row = 0
 
     @property
     def current(self) -> Slot:
@@ -118,16 +121,23 @@ class PeerReplicas:
             target.invalidate()
             self.stats.failures += 1
             self.stats.last_error = str(exc)
-            log.warning(
-                "rank %d: replication of step %d with peers %d (sends to) / %d (receives from) "
-                "failed; keeping the previous replica pair: %s",
+            self._failed_in_a_row += 1
+            # One missed cycle (a peer restarting or leaving) is routine: the previous
+            # replica stays the recovery copy. Cycles that keep failing are a problem.
+            repeated = self._failed_in_a_row >= _WARN_AFTER_FAILURES
+            log.log(
+                logging.WARNING if repeated else logging.INFO,
+                "rank %d: step %d was not replicated (%d cycle(s) in a row; sends to rank %d, "
+                "receives from rank %d); the previous replica stays the recovery copy: %s",
                 self.rank,
                 step,
+                self._failed_in_a_row,
                 self.send_to,
                 self.recv_from,
                 exc,
             )
             return False
+        self._failed_in_a_row = 0
         target.publish(received.step, received.state_document, received.owner_rank, crcs=crcs)
         own.advance(SlotState.REPLICATED)
         self.stats.replicated += 1

@@ -8,14 +8,16 @@ Call order (every rank; both calls are collective)::
 Both run over the control plane, so every wait is bounded and a rank that does
 not answer is named. Logging: one WARNING line on rank 0 when a restarted job
 (or one whose run left files or slots) recovers nothing, naming why and each
-rank's newest available step; one INFO line with the step and sources when it
-recovers.
+rank's newest available step. Every recovery (a GEMINI step, or the
+``load_fallback`` when none is common) prints one line on rank 0 to stderr,
+seen without any logging setup: the step, each rank's source and the seconds.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -118,17 +120,12 @@ class Restorer:
                 problems += got.problems
                 if self._control.rank == 0:
                     log.warning(
-                        "step %d is unusable (%s); %s",
+                        "step %d is unusable (%s); walking back%s",
                         s,
                         "; ".join(got.problems) or "a source failed",
-                        "failing closed (RECOVERY_VERIFIED never falls back to unverified state)"
+                        " to an older verified step"
                         if mode is RecoveryMode.RECOVERY_VERIFIED
-                        else "walking back",
-                    )
-                if mode is RecoveryMode.RECOVERY_VERIFIED:
-                    raise NoConsistentStep(
-                        f"verified step {s} failed validation: {'; '.join(got.problems)}; "
-                        "failing closed (RECOVERY_VERIFIED never falls back to unverified state)"
+                        else "",
                     )
                 continue
             phases = {"agree": t_agree, "fetch": time.perf_counter() - t1, **got.phases_s}
@@ -136,8 +133,13 @@ class Restorer:
             report = RecoveryReport(
                 s, labels, got.bytes_moved, failed, phases, problems + got.problems
             )
-            self._record(report)
+            self._record(report, time.perf_counter() - t0)
             return Outcome(got.state, report, got)
+        if failed and mode is RecoveryMode.RECOVERY_VERIFIED:
+            raise NoConsistentStep(
+                f"every verified step failed validation (tried {failed}): {'; '.join(problems)}; "
+                "failing closed (RECOVERY_VERIFIED never falls back to unverified state)"
+            )
         why = (
             f"every common step failed validation (tried {failed})"
             if failed
@@ -148,8 +150,9 @@ class Restorer:
             report = RecoveryReport(
                 None, [Source.FALLBACK.label] * len(table), 0, failed, {}, problems
             )
-            self._record(report)
-            return Outcome(fallback(), report, None)
+            state = fallback()
+            self._record(report, time.perf_counter() - t0)
+            return Outcome(state, report, None)
         lines = "; ".join(problems) or "; ".join(
             f"rank {r}: {rep.describe()}" for r, rep in enumerate(reports)
         )
@@ -159,15 +162,23 @@ class Restorer:
             "load_fallback=<load your durable checkpoint> to recover from it"
         )
 
-    def _record(self, report: RecoveryReport) -> None:
+    def _record(self, report: RecoveryReport, seconds: float) -> None:
         log.info("gemini.recovery %s", json.dumps({"rank": self._control.rank, **asdict(report)}))
-        if self._control.rank == 0 and report.step is not None:
-            by_source: dict[str, list[int]] = {}
-            for rank, label in enumerate(report.sources):
-                by_source.setdefault(label, []).append(rank)
-            where = "; ".join(f"{label} on ranks {ranks}" for label, ranks in by_source.items())
-            total = sum(v for k, v in report.phases_s.items() if k in ("agree", "fetch"))
-            log.info("GEMINI recovered step %d (%s) in %.3f s", report.step, where, total)
+        if self._control.rank != 0:
+            return
+        by_source: dict[str, list[int]] = {}
+        for rank, label in enumerate(report.sources):
+            by_source.setdefault(label, []).append(rank)
+        where = "; ".join(f"{label} on ranks {ranks}" for label, ranks in by_source.items())
+        if report.step is not None:
+            line = f"GEMINI recovered step {report.step} ({where}) in {seconds:.3f} s"
+        else:
+            line = (
+                f"GEMINI recovered no step; load_fallback() was used ({where}) in {seconds:.3f} s"
+            )
+        log.info("%s", line)
+        # Seen without any logging setup: one line on rank 0 per recovery.
+        print(f"lm-resiliency: {line}", file=sys.stderr, flush=True)
 
     def _say_nothing(self, reports: list[Report], mode: RecoveryMode, why: str) -> None:
         if self._said_nothing or self._control.rank != 0:

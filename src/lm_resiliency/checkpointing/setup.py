@@ -159,9 +159,10 @@ def memory_tier(
     """This rank's memory tier, or ``None`` (``memory_folder=None``, or an unusable folder
     when not ``memory_required``: then one warning says what is lost).
 
-    Removes the run's memory folders of other topologies that no live process holds and
-    appends their names to ``superseded``. Raises ``UnsafePathError`` for a folder that is
-    not ours (never a silent fallback), and what ``MemoryFolder`` raises when required.
+    Appends the names of the run's memory folders of other topologies to ``superseded``
+    (never removes them: their job may still run or restart). Raises ``UnsafePathError``
+    for a folder that is not ours (never a silent fallback), and what ``MemoryFolder``
+    raises when required.
     """
     folder_path = config.memory_folder
     if folder_path is None:
@@ -179,10 +180,15 @@ def memory_tier(
             exc,
         )
         return None
-    removed = folder.remove_superseded_topologies()
-    superseded.extend(removed)
-    if removed:
-        log.info("rank %d: removed memory slots of superseded topologies %s", rank, removed)
+    others = folder.other_topologies()
+    superseded.extend(others)
+    if others:
+        log.info(
+            "rank %d: this run has memory slots of other topologies %s; they are kept for the "
+            "job they belong to (lm-resiliency clean removes them)",
+            rank,
+            others,
+        )
     return MemoryTier(
         folder,
         run_id=run_id,

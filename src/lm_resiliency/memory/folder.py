@@ -257,6 +257,18 @@ class MemoryFolder:
             with contextlib.suppress(OSError):  # not empty: other ranks of this node
                 os.rmdir(parent)
 
+    def other_topologies(self) -> list[str]:
+        """This run's slot folders of other topologies (another world size or pairing).
+
+        Listed, never removed: they belong to a job with another topology that may
+        still run (or restart) and are removed when it finishes, or by ``lm-resiliency
+        clean``.
+        """
+        mine = self._parts[1]
+        return sorted(
+            name for name in os.listdir(self._run_fd) if name != mine and ns.is_topology_dir(name)
+        )
+
     def remove_superseded_topologies(self) -> list[str]:
         """Remove this run's slot folders of other topologies that no live process holds.
 

@@ -20,9 +20,11 @@ A rank whose source failed moves to its next source for the *same* step in
 the next round; only when some rank has none left does the fetch return
 ``None`` on every rank (the caller walks back, or fails closed in verified
 mode). Every check that can fail on one rank (schema, decode, CRC, identity,
-size, transfer) happens before the final agreement, and nothing is consumed
-(own memory is handed over) until every rank settled: a step is never
-returned on some ranks while others raise.
+size, transfer) happens before the final agreement, so a step is never
+returned on some ranks while others raise. Nothing is consumed here: the
+returned :attr:`Fetched.consume` hands an own-memory slot over, and the caller
+calls it only once the whole recovery succeeded (the state is applied); until
+then the slot stays committed and attachable by a restarted process.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class Fetched:
     """The source every rank finally used, in rank order."""
     problems: list[str] = field(default_factory=list)
     """Sources that failed on the way (rank, source, reason), tried before the one used."""
+    consume: Callable[[], object] | None = None
+    """Hands this rank's own-memory slot over (``None`` for a source that is not consumed);
+    call it only after the recovered state was applied."""
 
 
 @dataclass
@@ -206,10 +211,8 @@ def fetch_step(step: int, options: Options, ctx: FetchContext) -> Fetched | Unus
             if isinstance(served, ShardReader):
                 served.close()
     assert mine is not None and used is not None
-    if mine.consume is not None:
-        mine.consume()  # every rank settled: own memory is handed over now
     final = [_or_fallback(rnd.choice(r)) for r in range(ctx.world_size)]
-    return Fetched(state, used, moved, phases, final, rnd.problems)
+    return Fetched(state, used, moved, phases, final, rnd.problems, mine.consume)
 
 
 def _or_fallback(source: Source | None) -> Source:

@@ -3,8 +3,9 @@
 A :class:`StepSource` says which steps it has (:meth:`~StepSource.steps`),
 opens one fully validated (:meth:`~StepSource.open`: nothing is returned that
 failed a check) and says whether using it consumes it (own memory is handed
-over to the caller without a copy, so it is taken only after every rank
-agreed). The manager builds one per place:
+over to the caller without a copy, so it is taken only after the whole
+recovery succeeded, the state applied included: see
+``InMemoryCheckpointManager.commit_recovery``). The manager builds one per place:
 
 ===============  ==================================================  =========
 source           what                                                consumes
@@ -51,7 +52,7 @@ class Material:
     arena: torch.Tensor
     document: dict[str, Any]
     consume: Callable[[], object] | None = None
-    """Called once every rank agreed on the step (own memory: hand the slot over)."""
+    """Hands the slot over (own memory); called once the recovered state was applied."""
     crcs: tuple[int, ...] | None = None
     """The arena's CRC-32C per chunk as recorded when it was filled (memory slots), sent
     with it when it is served to its owner, so damage since then is refused there."""

@@ -131,6 +131,7 @@ def enable_adapter(
             # After the recovery: the DDP bucket replay runs through DDP's default hook.
             txn = build_mtgs(adapter, objects, mtgs_config, committed_steps=boundary.step)
         unbind = adapter.bind(WaitOnly(boundary) if txn is not None else boundary)
+        manager.commit_recovery()  # applied and bound: only now is an own slot handed over
     except BaseException:
         adapter.close()
         if checker is not None:

@@ -1,19 +1,23 @@
 """torchrun worker: the plain training loop of the README, verbatim, under enable_resiliency.
 
 ``python -m torch.distributed.run ... tests/faults/workers/plain_loop.py --out DIR
---steps N --disk-folder DIR [--kill-step S --kill-rank R]``
+--steps N --disk-folder DIR [--kill-step S --kill-rank R] [--fail-apply-attempt A]``
 
 The fault is not in the loop: it is in the data source. With ``--kill-step``,
 rank R's batch stream SIGKILLs its own process when training asks it for the
 batch of step S in the job's first generation (a machine that dies while
 training; torchrun then restarts the whole group). Every rank writes its final
 parameters and optimizer state to ``DIR/final-rank<R>.safetensors`` and its
-start step to ``DIR/start-rank<R>-attempt<A>.txt``.
+start step to ``DIR/start-rank<R>-attempt<A>.txt`` and the recovery's sources to
+``DIR/sources-rank<R>-attempt<A>.json``. With ``--fail-apply-attempt A`` a stateful
+object of the job refuses the recovered state in attempt A (its ``load_state_dict``
+raises, as an adapter's check would), so that attempt dies inside the recovery.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -46,6 +50,22 @@ class DyingTokens(SyntheticTokens):
         return super().__next__()
 
 
+class RefusingProbe:
+    """A stateful object whose ``load_state_dict`` raises in one attempt (a failing apply)."""
+
+    def __init__(self, refuse: bool) -> None:
+        self.refuse = refuse
+        self.applied = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"applied": self.applied}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.refuse:
+            raise RuntimeError("RefusingProbe: this attempt refuses the recovered state")
+        self.applied = int(state["applied"]) + 1
+
+
 def train(argv: list[str]) -> None:
     """The whole worker after the process group exists (also run by run_distributed)."""
     p = argparse.ArgumentParser()
@@ -54,6 +74,7 @@ def train(argv: list[str]) -> None:
     p.add_argument("--disk-folder", type=Path, required=True)
     p.add_argument("--kill-step", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--fail-apply-attempt", type=int, default=-1)
     args = p.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = restart_count() or 0
@@ -69,10 +90,15 @@ def train(argv: list[str]) -> None:
     max_steps = args.steps
     config = InMemoryCkptConfig(disk_folder=args.disk_folder, disk_flush_interval=10)
 
-    resiliency = enable_resiliency(
-        ddp_model, optimizer, interval=10, state={"loader": loader}, config=config
-    )
+    state: dict[str, Any] = {"loader": loader}
+    if args.fail_apply_attempt >= 0:
+        state["probe"] = RefusingProbe(refuse=attempt == args.fail_apply_attempt)
+    resiliency = enable_resiliency(ddp_model, optimizer, interval=10, state=state, config=config)
     (args.out / f"start-rank{rank}-attempt{attempt}.txt").write_text(str(resiliency.start_step))
+    recovered = resiliency.last_recovery
+    (args.out / f"sources-rank{rank}-attempt{attempt}.json").write_text(
+        json.dumps({"step": recovered.step, "sources": list(recovered.sources)})
+    )
     for step in range(resiliency.start_step + 1, max_steps + 1):
         loss_fn(ddp_model, next(loader)).backward()
         optimizer.step()
