@@ -129,6 +129,7 @@ def adopt_into(slots: list[Slot], adopted: Sequence[Adopted], *, owner_rank: int
 
 AfterCapture = Callable[[Slot], None]
 PlanArenas = Callable[[int], None]
+CheckLayout = Callable[[Layout], None]
 """Called on the caller's thread with a new layout's byte size before its first copy."""
 
 
@@ -141,6 +142,10 @@ class CaptureEngine:
     ``backing`` allocates the arenas (process memory by default);
     ``plan_arenas(nbytes)`` runs on the caller's thread whenever the layout
     changes, before any slot is sized for it (a budget check that may raise).
+    ``check_layout(layout)`` runs whenever the layout of a state tree captured
+    with :meth:`capture` changes (never for :meth:`capture_tensors`): the caller
+    that may write the tree to disk passes the format's check (the manager passes
+    ``persistence.format.check_storable``), so the engine itself knows no format.
     """
 
     def __init__(
@@ -153,6 +158,7 @@ class CaptureEngine:
         num_slots: int = 2,
         backing: ArenaBacking = ANONYMOUS,
         plan_arenas: PlanArenas | None = None,
+        check_layout: CheckLayout | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots}: the capture engine needs at least 1 slot")
@@ -162,6 +168,7 @@ class CaptureEngine:
         self.after_capture = after_capture
         self.slots = [Slot(f"own_{i}", backing=backing) for i in range(num_slots)]
         self._plan_arenas = plan_arenas
+        self._check_layout = check_layout
         self.stats = CaptureStats()
         self._layout: Layout | None = None
         self._layout_key: tuple[Any, ...] | None = None
@@ -343,13 +350,11 @@ class CaptureEngine:
         key = (Layout.signature(encoded.tensors), tuple(encoded.names))
         if self._layout is None or key != self._layout_key:
             new = Layout.from_tensors(encoded.tensors, encoded.names)
-            if persisted:
+            if persisted and self._check_layout is not None:
                 # A state tree may be written to a shard: refuse dtypes the format cannot
                 # store here, on the caller's thread, not at every later flush. Only when
-                # the layout is rebuilt; imported late because persistence imports capture.
-                from lm_resiliency.persistence.format import check_storable
-
-                check_storable(new)
+                # the layout is rebuilt.
+                self._check_layout(new)
             if self._layout is not None:
                 self.stats.relayouts += 1
                 log.info(

@@ -67,6 +67,7 @@ from lm_resiliency.persistence import (
 )
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence.disk_lock import DiskLock
+from lm_resiliency.persistence.format import check_storable
 from lm_resiliency.persistence.lineage import Lineage
 from lm_resiliency.recovery.availability import Report, Source
 from lm_resiliency.recovery.fetch import FetchContext
@@ -193,6 +194,7 @@ class InMemoryCheckpointManager:
             after_capture=self._after_capture,
             backing=backing,
             plan_arenas=self.tier.plan if self.tier is not None else None,
+            check_layout=check_storable,
         )
         local = self._agreed("attach memory slots and open node-local folders", self._open_local)
         self.history = History.agree(
