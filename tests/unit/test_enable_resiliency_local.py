@@ -25,7 +25,7 @@ from lm_resiliency import (
     enable_resiliency,
 )
 from lm_resiliency.resiliency.objects import StateObjects
-from lm_resiliency.resiliency.rng import capture_rng, restore_rng
+from lm_resiliency.rng import capture_rng, restore_rng
 from lm_resiliency.state import decode_state, encode_state
 
 

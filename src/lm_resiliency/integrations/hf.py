@@ -51,7 +51,7 @@ from lm_resiliency.integrations._ddp_buckets import (
     replay_ready_order,
 )
 from lm_resiliency.integrations.base import AdapterBase, StepBoundary, Unbind
-from lm_resiliency.resiliency.rng import restore_rng
+from lm_resiliency.rng import restore_rng
 
 __all__ = ["HFAdapter", "ResiliencyCallback", "make_adapter"]
 

@@ -18,10 +18,10 @@ from lm_resiliency.resiliency.boundary import CaptureBoundary, WaitOnly
 from lm_resiliency.resiliency.handle import ResiliencyHandle
 from lm_resiliency.resiliency.objects import StateObjects
 from lm_resiliency.resiliency.recover import recover
-from lm_resiliency.resiliency.rng import restore_rng as restore_now
 from lm_resiliency.resiliency.transact import build_mtgs
 from lm_resiliency.resiliency.tree import CaptureTree
 from lm_resiliency.resiliency.validate import check_mtgs, check_scout, gemini_config
+from lm_resiliency.rng import restore_rng as restore_now
 from lm_resiliency.transactions.config import MTGSConfig
 
 __all__ = ["enable_adapter", "enable_resiliency"]
