@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from lm_resiliency._tempnames import TempName, TempScope
 from lm_resiliency.capture import Layout
 from lm_resiliency.persistence import ShardStore
 from lm_resiliency.persistence.format import KILL_MID_WRITE
-from lm_resiliency.persistence.publish import TempName, TempScope
 
 torch.set_num_threads(1)
 

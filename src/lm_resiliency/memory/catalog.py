@@ -3,7 +3,7 @@ recovery judges them.
 
 Read-only and safe on a live folder: nothing is created or modified, and no link
 is followed. Every directory is entered with the same checks the memory tier
-applies before it uses one (:func:`~lm_resiliency.persistence._safefs.open_subdir`:
+applies before it uses one (:func:`~lm_resiliency._safefs.open_subdir`:
 never a link, another user's or a group/other-writable directory), and every slot
 file is validated by the memory tier's own reader
 (:func:`~lm_resiliency.memory.slotfile.read_record`: kind, owner, mode, links,
@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lm_resiliency._safefs import entry_kind, open_root, open_subdir
+from lm_resiliency._tempnames import TempName
 from lm_resiliency.errors import UnsafePathError
 from lm_resiliency.memory.folder import LINEAGE_FILE, LOCK_FILE
 from lm_resiliency.memory.slotfile import (
@@ -40,9 +42,7 @@ from lm_resiliency.memory.slotfile import (
     read_record,
 )
 from lm_resiliency.persistence import namespace as ns
-from lm_resiliency.persistence._safefs import entry_kind, open_root, open_subdir
 from lm_resiliency.persistence.lockprobe import UnknownLock, holder_pid, lock_is_held
-from lm_resiliency.persistence.publish import TempName
 
 _RANK_RE = re.compile(r"rank-(0|[1-9][0-9]{0,9})")
 #: The slot files recovery opens (``folder.slot_file_name`` of the tier's slot names).

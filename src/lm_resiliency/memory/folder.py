@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lm_resiliency._safefs import FOREIGN_OWNER, NOT_A_FILE, open_subdir, owner_of
+from lm_resiliency._safefs import open_root as safe_open_root
 from lm_resiliency.errors import ConfigError, ResiliencyError, UnsafePathError
 from lm_resiliency.knobs import MEMORY_LOCK_WAIT_S
 from lm_resiliency.memory.slotfile import (
@@ -46,8 +48,6 @@ from lm_resiliency.memory.slotfile import (
     is_full,
 )
 from lm_resiliency.persistence import namespace as ns
-from lm_resiliency.persistence._safefs import FOREIGN_OWNER, NOT_A_FILE, open_subdir, owner_of
-from lm_resiliency.persistence._safefs import open_root as safe_open_root
 from lm_resiliency.persistence.lineage import Lineage, read_lineage, write_lineage
 
 log = logging.getLogger(__name__)

@@ -41,13 +41,13 @@ import crc32c
 import torch
 
 from lm_resiliency import _strict_json as strict_json
+from lm_resiliency._safefs import pwrite_all
+from lm_resiliency._tempnames import temp_name
 from lm_resiliency.capture import Layout, populate
 from lm_resiliency.checksums import arena_crcs, crc_count
 from lm_resiliency.errors import CaptureError, ResiliencyError, StateSchemaError
 from lm_resiliency.knobs import CRC_CHUNK_BYTES as _CRC_CHUNK_BYTES
 from lm_resiliency.knobs import SLOT_RECORD_RESERVE_BYTES
-from lm_resiliency.persistence._safefs import pwrite_all
-from lm_resiliency.persistence.publish import temp_name
 from lm_resiliency.state import validate_document
 
 MAGIC = b"LMRSLOT\x01"

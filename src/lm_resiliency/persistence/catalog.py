@@ -9,7 +9,7 @@ table, size, and the state document as recovery decodes it:
 data is read and every CRC checked as well. A manifest that names another run
 or topology than its directory's is refused as the store refuses it. Every
 entry is also judged like the library judges it before use
-(:func:`lm_resiliency.persistence._safefs.judge`): an entry owned by another
+(:func:`lm_resiliency._safefs.judge`): an entry owned by another
 user, writable by group or others, or of the wrong kind is an
 :class:`EntryProblem` of the level that holds it. Run it as the job's user.
 """
@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lm_resiliency._safefs import entry_kind, judge, open_subdir, opened_dir
+from lm_resiliency._tempnames import TempName, TempScope, is_stale
 from lm_resiliency.errors import (
     IdentityMismatch,
     ShardUnavailable,
@@ -29,10 +31,8 @@ from lm_resiliency.errors import (
     UnsafePathError,
 )
 from lm_resiliency.persistence import namespace as ns
-from lm_resiliency.persistence._safefs import entry_kind, judge, open_subdir, opened_dir
 from lm_resiliency.persistence.document import ShardIdentity, check_state
 from lm_resiliency.persistence.format import read_data
-from lm_resiliency.persistence.publish import TempName, TempScope, is_stale
 from lm_resiliency.persistence.sidecar import read_status
 from lm_resiliency.persistence.store import open_shard
 

@@ -33,10 +33,10 @@ import stat
 import time
 from pathlib import Path
 
+from lm_resiliency._safefs import opened_dir
 from lm_resiliency.errors import ResiliencyError, UnsafePathError
 from lm_resiliency.knobs import MEMORY_LOCK_WAIT_S
 from lm_resiliency.persistence import namespace as ns
-from lm_resiliency.persistence._safefs import opened_dir
 
 LOCK_RE = re.compile(r"live-rank-(0|[1-9][0-9]{0,9})\.lock")
 #: How long a new process waits for an exiting predecessor of its rank (as the memory folder).

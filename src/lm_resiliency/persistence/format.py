@@ -35,11 +35,11 @@ import torch
 
 from lm_resiliency import _strict_json as strict_json
 from lm_resiliency._killpoints import kill_point
+from lm_resiliency._safefs import pread_exact, preadinto_exact, pwrite_all, write_all
 from lm_resiliency.capture import Layout, populate
 from lm_resiliency.errors import StateEncodingError
 from lm_resiliency.knobs import CRC_CHUNK_BYTES
 from lm_resiliency.persistence import document
-from lm_resiliency.persistence._safefs import pread_exact, preadinto_exact, pwrite_all, write_all
 from lm_resiliency.persistence.document import ShardDocument, ShardIdentity
 from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
 from lm_resiliency.persistence.trust import TrustStatus

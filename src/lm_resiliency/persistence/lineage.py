@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lm_resiliency.persistence._safefs import open_file_nofollow, pread_exact
+from lm_resiliency._safefs import open_file_nofollow, pread_exact
 from lm_resiliency.persistence.publish import publish_bytes
 
 LINEAGE_KIND = "lm_resiliency.lineage"

@@ -22,8 +22,8 @@ import os
 import re
 from typing import Any
 
+from lm_resiliency._safefs import open_file_nofollow, pread_exact
 from lm_resiliency.errors import IdentityMismatch
-from lm_resiliency.persistence._safefs import open_file_nofollow, pread_exact
 from lm_resiliency.persistence.publish import publish_bytes
 
 RUN_MANIFEST = "run.json"

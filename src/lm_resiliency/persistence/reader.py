@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from lm_resiliency._safefs import preadinto_exact
 from lm_resiliency.capture import Layout
-from lm_resiliency.persistence._safefs import preadinto_exact
 from lm_resiliency.persistence.format import ShardHeader, read_data
 from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
 

@@ -30,8 +30,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lm_resiliency.persistence._safefs import judge
-from lm_resiliency.persistence.publish import temp_name
+from lm_resiliency._safefs import judge
+from lm_resiliency._tempnames import temp_name
 
 #: Spares kept per store: one per owner it usually writes (its own and one peer's).
 MAX_SPARES = 2

@@ -38,9 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from lm_resiliency._safefs import open_file_nofollow, pread_exact
 from lm_resiliency.errors import SidecarUnavailable, UnsafePathError
 from lm_resiliency.knobs import SIDECAR_RETRY_S
-from lm_resiliency.persistence._safefs import open_file_nofollow, pread_exact
 from lm_resiliency.persistence.namespace import sidecar_file
 from lm_resiliency.persistence.publish import publish_bytes
 from lm_resiliency.persistence.trust import RECOVERY_VERDICT_MODE, RecoveryVerdict

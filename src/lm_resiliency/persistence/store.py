@@ -31,16 +31,16 @@ from typing import Any
 
 import torch
 
-from lm_resiliency.capture import Layout
-from lm_resiliency.errors import ConfigError, ShardUnavailable, SidecarUnavailable, UnsafePathError
-from lm_resiliency.persistence import namespace as ns
-from lm_resiliency.persistence._safefs import (
+from lm_resiliency._safefs import (
     entry_kind,
     judge,
     open_file_nofollow,
     open_subdir,
     opened_dir,
 )
+from lm_resiliency.capture import Layout
+from lm_resiliency.errors import ConfigError, ShardUnavailable, SidecarUnavailable, UnsafePathError
+from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence.document import ShardIdentity, check_identity
 from lm_resiliency.persistence.format import (
     DEFAULT_CHUNK_BYTES,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lm_resiliency._safefs import opened_dir
 from lm_resiliency.errors import SidecarUnavailable, UnsafePathError
-from lm_resiliency.persistence._safefs import opened_dir
 from lm_resiliency.persistence.catalog import scan
 from lm_resiliency.persistence.sidecar import SidecarStatus, read_status
 from lm_resiliency.persistence.trust import RecoveryVerdict, TrustStatus
