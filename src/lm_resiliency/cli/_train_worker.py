@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lm_resiliency.faults import FaultInjector
 from lm_resiliency.models import GPTConfig, SyntheticTokens, TinyGPT
+from lm_resiliency.models.hf import DistilBertLM
 from lm_resiliency.telemetry import EttrTimer, EventLog, ThroughputMeter
 from lm_resiliency.transactions import MTGS, MTGSConfig, StepResult
 
@@ -63,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
 def _model(run: dict[str, Any]) -> nn.Module:
     torch.manual_seed(int(run["seed"]))
     if run["model"] == "distilbert":
-        from lm_resiliency.models.hf import DistilBertLM
-
         return DistilBertLM(vocab_size=int(run["vocab"]))
     return TinyGPT(
         GPTConfig(

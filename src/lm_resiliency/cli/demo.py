@@ -43,7 +43,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from lm_resiliency.demo.events import read_events
+from lm_resiliency.demo.launch import DemoSpec, compare_final, start_job
+from lm_resiliency.demo.timeline import summarize
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.testing.torchrun import kill_running_jobs
 
 _POLL_S = 0.2
 _BAR = 24
@@ -126,8 +130,6 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lm_resiliency.demo.launch import DemoSpec
-
     try:
         _check(args)
         spec = DemoSpec(
@@ -186,8 +188,6 @@ def _stop_on_sigterm() -> Any:
 
 def _cleanup(work: Path, what: str, *, keep: bool, previous: Any) -> None:
     """Stop any job still running, then remove (or keep) the demo's temporary folder."""
-    from lm_resiliency.testing.torchrun import kill_running_jobs
-
     main = threading.current_thread() is threading.main_thread()
     if main:  # a second signal must not interrupt the cleanup half way
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
@@ -214,10 +214,6 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
-    from lm_resiliency.demo.events import read_events
-    from lm_resiliency.demo.launch import DemoSpec, compare_final, start_job
-    from lm_resiliency.demo.timeline import summarize
-
     n = args.world_size
     print(
         f"lm-resiliency demo: {n} workers under torchrun (Gloo, CPU), tiny GPT "
@@ -322,8 +318,6 @@ class _Progress:
 
 
 def _follow(job: Any, run_dir: Path, progress: _Progress, timeout_s: float) -> Any:
-    from lm_resiliency.demo.events import read_events
-
     deadline = time.monotonic() + timeout_s
     while job.poll() is None and time.monotonic() < deadline:
         progress.update(read_events(run_dir))

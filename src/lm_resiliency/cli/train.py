@@ -32,8 +32,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.faults import ARM_ENV, FaultSchedule
+from lm_resiliency.models.hf import INSTALL_HINT, transformers_available
 
 PROG = "python -m mtgs.trainer"
 
@@ -193,11 +197,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                 f"fault {f.spec()} is at step {f.step}, outside the run's steps 1..{args.steps}; "
                 f"use a step <= --steps={args.steps} (or raise --steps)"
             )
-    if args.model == "distilbert":
-        from lm_resiliency.models.hf import INSTALL_HINT, transformers_available
-
-        if not transformers_available():
-            raise ConfigError(INSTALL_HINT)
+    if args.model == "distilbert" and not transformers_available():
+        raise ConfigError(INSTALL_HINT)
     vocab = args.vocab if args.vocab is not None else (30522 if args.model == "distilbert" else 256)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="mtgs-train-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -227,9 +228,6 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _launch(settings: dict[str, Any], run_file: Path) -> bool:
     """Run the workers under torchrun's elastic agent; ``False`` if any worker failed."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", str(settings["threads"]))
     if settings["faults"]:

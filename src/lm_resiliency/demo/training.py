@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lm_resiliency.models import GPTConfig, SyntheticTokens, TinyGPT
@@ -49,9 +51,6 @@ class Trainer:
         if framework == "ddp":
             self.model = DistributedDataParallel(net, bucket_cap_mb=BUCKET_CAP_MB)
         else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
             mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
             for block in net.blocks:
                 fully_shard(block, mesh=mesh)

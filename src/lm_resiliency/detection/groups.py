@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lm_resiliency.errors import ConfigError
 
 
@@ -88,8 +90,6 @@ class ComparisonGroups:
         Every slice of the mesh along the replicate dimension (all other
         coordinates fixed) is one group.
         """
-        import torch
-
         ranks = mesh.mesh
         names = getattr(mesh, "mesh_dim_names", None) or ()
         dim = names.index(replicate_dim) if isinstance(replicate_dim, str) else replicate_dim

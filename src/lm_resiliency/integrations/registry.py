@@ -20,9 +20,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.integrations.base import Adapter
+
+try:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+except ImportError:  # torch without FSDP
+    FullyShardedDataParallel = None  # type: ignore[assignment,misc]
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch without FSDP2
+    FSDPModule = None  # type: ignore[assignment,misc]
 
 __all__ = ["RULES", "Rule", "adapter_for", "as_optimizers"]
 
@@ -109,8 +119,6 @@ def adapter_for(obj: Any, optimizer: Any = None, **options: Any) -> Adapter:
 def _torch_adapter(
     model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], **options: Any
 ) -> Adapter:
-    from torch.nn.parallel import DistributedDataParallel
-
     _reject_fsdp1(model)
     if _is_fully_sharded(model):
         name = "lm_resiliency.integrations.fsdp"
@@ -123,9 +131,7 @@ def _torch_adapter(
 
 
 def _reject_fsdp1(model: torch.nn.Module) -> None:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # torch without FSDP
+    if FullyShardedDataParallel is None:  # torch without FSDP
         return
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         raise ConfigError(
@@ -136,8 +142,6 @@ def _reject_fsdp1(model: torch.nn.Module) -> None:
 
 
 def _is_fully_sharded(model: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
+    if FSDPModule is None:  # torch without FSDP2
         return False
     return any(isinstance(m, FSDPModule) for m in model.modules())

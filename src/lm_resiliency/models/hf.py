@@ -32,7 +32,8 @@ class DistilBertLM(nn.Module):
         super().__init__()
         if not transformers_available():
             raise ConfigError(INSTALL_HINT)
-        from transformers import DistilBertConfig, DistilBertForMaskedLM
+        # transformers is optional (the hf extra) and heavy: imported only when the model is built.
+        from transformers import DistilBertConfig, DistilBertForMaskedLM  # noqa: PLC0415
 
         self.model = DistilBertForMaskedLM(DistilBertConfig(vocab_size=vocab_size, **config))
 

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lm_resiliency.errors import ConfigError, ReplicationError
 
 log = logging.getLogger(__name__)
@@ -105,8 +107,6 @@ def _ranks_per_node(env: Mapping[str, str], gpu_count: Callable[[], int]) -> tup
 
 
 def _cuda_device_count() -> int:
-    import torch
-
     return int(torch.cuda.device_count())
 
 

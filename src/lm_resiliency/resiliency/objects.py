@@ -19,9 +19,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.state import encode_state
+
+try:
+    from torch.amp import GradScaler
+except ImportError:  # pragma: no cover - torch < 2.3
+    GradScaler = None  # type: ignore[assignment,misc]
 
 __all__ = ["StateObjects", "is_grad_scaler", "is_lr_scheduler"]
 
@@ -96,9 +102,7 @@ class StateObjects:
 
 def is_grad_scaler(obj: Any) -> bool:
     """Whether ``obj`` is an AMP ``GradScaler`` (``torch.amp`` or ``torch.cuda.amp``)."""
-    try:
-        from torch.amp import GradScaler
-    except ImportError:  # pragma: no cover - torch < 2.3
+    if GradScaler is None:  # pragma: no cover - torch < 2.3
         return False
     return isinstance(obj, GradScaler)
 
@@ -120,6 +124,4 @@ def _after_successful_update(state: dict[str, Any]) -> dict[str, Any]:
 
 def is_lr_scheduler(obj: Any) -> bool:
     """Whether ``obj`` is a ``torch.optim.lr_scheduler.LRScheduler``."""
-    from torch.optim.lr_scheduler import LRScheduler
-
     return isinstance(obj, LRScheduler)

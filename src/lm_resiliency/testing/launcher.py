@@ -26,6 +26,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import queue as queue_mod
 import signal
 import tempfile
 import time
@@ -200,8 +201,6 @@ def run_distributed(
 def _drain(
     queue: Any, results: dict[int, Any], failures: dict[int, RankFailure], wait_s: float = 0.0
 ) -> None:
-    import queue as queue_mod
-
     block = wait_s > 0
     while True:
         try:
