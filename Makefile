@@ -37,6 +37,7 @@ LINTED := src tests benchmarks examples scripts
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 
 # The fast loop while developing (about 2 minutes): lint, types and every test that starts no
