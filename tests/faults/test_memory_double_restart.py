@@ -6,12 +6,13 @@ Job A (2 demo workers under torchrun, flush off) trains to step 12 (captures at
 first capture (15) -- and idles; it is SIGKILLed whole the same way. Job C should
 again recover step 10 from *own* memory on every rank.
 
-Today it recovers from *peer memory* on every rank (issue 20 item 14): job B's
-``commit_recovery()`` handed its own slot of step 10 over (zero-copy: the file
-leaves the memory folder, the optimizer state aliases its arena), so until B's
-first capture commits, the peer's replica is the only in-memory copy of step 10.
-The recovery line says so per rank ("own memory has no step 10 (it holds [5])").
-Marked xfail (strict) until the hand-over keeps or re-creates an own copy.
+Issue 20 item 14: job B's ``commit_recovery()`` hands its own slot of step 10
+over (zero-copy: the file leaves the memory folder, the optimizer state aliases
+its arena). Before the fix nothing re-created an own copy, so until B's first
+capture committed, the peer's replica was the only in-memory copy of step 10 and
+job C recovered from *peer memory* on every rank ("own memory has no step 10 (it
+holds [5])"). Now the hand-over copies step 10 back into a fresh own slot file
+in the background.
 """
 
 from __future__ import annotations
@@ -40,11 +41,6 @@ def _wait_for(run_dir: Path, event: str, ranks: set[int], job, timeout_s: float)
         time.sleep(0.1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 20 item 14: the own slot handed over at commit_recovery leaves only the "
-    "peer's replica until the first capture after the recovery",
-)
 def test_a_second_whole_job_kill_before_the_next_capture_still_recovers_from_own_memory(
     tmp_path: Path,
 ) -> None:
