@@ -4,6 +4,7 @@ verdicts, stragglers, certification rules, the decision table, the compute fault
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -271,7 +272,7 @@ def test_dense_certification_is_immediate_and_sdc_latches_until_verified_recover
     assert c.captured(10) is TrustStatus.RECOVERY_VERIFIED
     c.observe(20, corrupt=True, reason="x", cycle_complete=False)
     assert c.latched is not None and c.captured(30) is TrustStatus.UNVERIFIED
-    c.recovered(verified=True)
+    c.recovered(10, verified=True)
     assert c.latched is None
     assert c.captured(40) is TrustStatus.RECOVERY_VERIFIED
     assert sink.calls == [
@@ -279,6 +280,32 @@ def test_dense_certification_is_immediate_and_sdc_latches_until_verified_recover
         ("verdict", 20),
         ("clear",),
         ("certify", 40, "recovery_verified", True),
+    ]
+
+
+def test_dense_k_recipes_stay_candidates_until_every_recipe_is_checked_clean_again() -> None:
+    sink = _Sink()
+    c = Certifier(sink, dynamic=False, persist=True)
+    assert c.captured(5, frontier=-math.inf) is TrustStatus.CANDIDATE
+    assert c.captured(10, frontier=-math.inf) is TrustStatus.CANDIDATE
+    c.observe(15, corrupt=False, reason="", cycle_complete=False, frontier=5)
+    assert (c.pending, c.verified) == ([10], 5)
+    assert c.captured(15, frontier=5) is TrustStatus.CANDIDATE
+    c.observe(20, corrupt=False, reason="", cycle_complete=False, frontier=12)
+    assert (c.pending, c.verified) == ([15], 10)
+    assert c.captured(20, frontier=12) is TrustStatus.CANDIDATE
+    c.observe(25, corrupt=True, reason="sdc", cycle_complete=False, frontier=12)
+    assert c.rejected == [(15, "sdc"), (20, "sdc")] and c.pending == [] and c.verified == 10
+    assert sink.calls == [
+        ("certify", 5, "candidate", True),
+        ("certify", 10, "candidate", True),
+        ("certify", 5, "recovery_verified", False),
+        ("certify", 15, "candidate", True),
+        ("certify", 10, "recovery_verified", False),
+        ("certify", 20, "candidate", True),
+        ("reject", 15),
+        ("reject", 20),
+        ("verdict", 25),
     ]
 
 
