@@ -125,3 +125,54 @@ def test_a_persistent_fault_in_any_block_leaves_only_pre_onset_steps_verified(
             # K = 3: nothing is verified at its own check; 5 is verified once block 2
             # was checked clean (step 15).
             assert o["verified_after"][5] is None and o["verified_after"][15] == 5, where
+
+
+def _unreproducible(rank: int, world: int, folder: str) -> dict:
+    t = Trainer("jitter", rank=rank, world=world, ddp=False)
+    cfg = InMemoryCkptConfig(
+        interval=INTERVAL,
+        disk_folder=folder,
+        disk_flush_interval=0,
+        run_id="jitter",
+        replication_chunk_size=1 << 16,
+        signal_flush=False,
+    )
+    manager = InMemoryCheckpointManager(cfg)
+    scout = Scout(ScoutConfig(interval=1), t.net, manager=manager, interval=INTERVAL)
+    statuses = []
+    for step in range(1, 16):  # block 1 (the clock layer) is replayed at steps 2, 5, ...
+        manager.maybe_wait()
+        t.step()
+        if step % INTERVAL == 0:
+            if scout.before_capture(step):
+                manager.save(t.state(step), step)
+                scout.after_capture(step)
+        else:
+            scout.maybe_check(step)
+        statuses.append(scout.last_result.status)
+    manager.maybe_wait()
+    manager.wait_trust()
+    out = {
+        "statuses": statuses,
+        "disabled": sorted(scout.planner.disabled),
+        "pending": list(scout.certifier.pending),
+        "unchecked": scout.coverage.unchecked(),
+        "latest": manager.find_latest(),
+        "verified": manager.find_latest(RecoveryMode.RECOVERY_VERIFIED),
+    }
+    scout.close()
+    manager.close()
+    return out
+
+
+def test_a_block_that_cannot_be_reproduced_keeps_every_capture_a_candidate(
+    tmp_path: Path,
+) -> None:
+    out = run_distributed(_unreproducible, 3, args=(str(tmp_path),), timeout_s=200)
+    for o in out:
+        assert set(o["statuses"]) == {ScoutStatus.HEALTHY}, o  # no evidence is no alarm
+        assert o["disabled"] == [1]  # twice not reproducible: no longer replayed
+        # Never silently verified: its recipe can never be checked again.
+        assert o["verified"] is None and o["latest"] == 15
+        assert o["pending"] == [5, 10, 15]
+        assert o["unchecked"] == ["1 (disabled: never checked)"]
