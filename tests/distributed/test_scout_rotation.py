@@ -10,6 +10,7 @@ and verified recovery loads it bit for bit.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -139,8 +140,12 @@ def _unreproducible(rank: int, world: int, folder: str) -> dict:
     )
     manager = InMemoryCheckpointManager(cfg)
     scout = Scout(ScoutConfig(interval=1), t.net, manager=manager, interval=INTERVAL)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lm_resiliency.detection.scout").addHandler(handler)
     statuses = []
-    for step in range(1, 16):  # block 1 (the clock layer) is replayed at steps 2, 5, ...
+    for step in range(1, 36):  # block 1 (the clock layer) is replayed at steps 2, 5, ...
         manager.maybe_wait()
         t.step()
         if step % INTERVAL == 0:
@@ -159,7 +164,9 @@ def _unreproducible(rank: int, world: int, folder: str) -> dict:
         "unchecked": scout.coverage.unchecked(),
         "latest": manager.find_latest(),
         "verified": manager.find_latest(RecoveryMode.RECOVERY_VERIFIED),
+        "warnings": warnings,
     }
+    logging.getLogger("lm_resiliency.detection.scout").removeHandler(handler)
     scout.close()
     manager.close()
     return out
@@ -173,6 +180,13 @@ def test_a_block_that_cannot_be_reproduced_keeps_every_capture_a_candidate(
         assert set(o["statuses"]) == {ScoutStatus.HEALTHY}, o  # no evidence is no alarm
         assert o["disabled"] == [1]  # twice not reproducible: no longer replayed
         # Never silently verified: its recipe can never be checked again.
-        assert o["verified"] is None and o["latest"] == 15
-        assert o["pending"] == [5, 10, 15]
+        assert o["verified"] is None and o["latest"] == 35
+        assert o["pending"] == [5, 10, 15, 20, 25, 30, 35]
         assert o["unchecked"] == ["1 (disabled: never checked)"]
+    # ... and the log says so (rank 0): when the block is disabled, and after two rotations
+    # (7 captures) without a promotion.
+    disabled, stalled = out[0]["warnings"]
+    assert "no longer replays block 1" in disabled and "stays a CANDIDATE" in disabled
+    assert "7 captures in a row stay CANDIDATE" in stalled, stalled
+    assert "1 (disabled: never checked)" in stalled
+    assert all(o["warnings"] == [] for o in out[1:])

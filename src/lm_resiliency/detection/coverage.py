@@ -82,7 +82,7 @@ class Coverage:
         for gi, ranks in enumerate(self.groups.groups):
             if any(a.verdicts[(gi, c)].outcome is not Outcome.CLEAN for c in self.classes):
                 continue
-            source = reports[min(ranks)]
+            source = reports[ranks[0]]  # the group's source (what it asked for)
             first = "dense" if "dense" in self.classes else "optimizer"
             block = source.of(first).recipe
             if not 0 <= block < len(self.blocks):
@@ -117,13 +117,18 @@ class Coverage:
 
     def unchecked(self) -> list[str]:
         """Labels of the blocks whose recipe has no clean check (for logs and reasons)."""
+        return self.behind(-math.inf)
+
+    def behind(self, step: float) -> list[str]:
+        """Labels of the blocks whose recipe has no clean check at or after ``step``."""
         out = []
         for b, block in enumerate(self.blocks):
             if b in self.disabled:
                 out.append(f"{block.label} (disabled: never checked)")
                 continue
             for gi in range(len(self.groups.groups)):
-                if self.key(gi, b) not in self._clean[gi]:
+                last = self._clean[gi].get(self.key(gi, b))
+                if last is None or last < step:
                     out.append(block.label)
                     break
         return out

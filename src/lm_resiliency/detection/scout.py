@@ -255,12 +255,18 @@ class Scout:
         self._pending_capture = None
         trust = self.certifier.captured(step, frontier=self._frontier())
         if trust is TrustStatus.CANDIDATE and not self.certifier.dynamic:
-            log.info(
-                "SCOUT: step %d is a CANDIDATE until every recipe is checked clean again "
-                "(not yet since: %s)",
-                step,
-                ", ".join(self.coverage.unchecked()[:6]) or "this step",
-            )
+            log.debug("SCOUT: step %d is a CANDIDATE until every recipe is checked clean", step)
+            waiting = len(self.certifier.pending)
+            if waiting == 2 * len(self.blocks) + 1 and self.rank == 0:
+                # Two rotations without a promotion: a recipe is never checked clean.
+                log.warning(
+                    "SCOUT: %d captures in a row stay CANDIDATE (none can be verified): "
+                    "not checked clean since step %d: %s. A block that is disabled or no "
+                    "longer called in a forward keeps every capture a candidate.",
+                    waiting,
+                    self.certifier.pending[0],
+                    ", ".join(self.coverage.behind(self.certifier.pending[0])[:8]),
+                )
 
     def recovered(self, step: int, *, verified: bool) -> None:
         """Local: the state of ``step`` was restored (``verified``: a RECOVERY_VERIFIED step).
