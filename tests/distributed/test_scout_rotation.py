@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import pytest
 from scout_fixtures import Trainer, digest
 
 from lm_resiliency import InMemoryCkptConfig, RecoveryMode
@@ -92,7 +91,6 @@ def _all_cases(rank: int, world: int, tmp: str) -> dict:
     }
 
 
-@pytest.mark.slow
 def test_a_persistent_fault_in_any_block_leaves_only_pre_onset_steps_verified(
     tmp_path: Path,
 ) -> None:
