@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,21 @@ class TinyMoE(nn.Module):
         return out
 
 
+class Jitter(nn.Module):
+    """A layer whose output depends on the clock: never reproducible, on any rank."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + (time.perf_counter_ns() % 1000) * 1e-9
+
+
+def jitter() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 16), Jitter(16), nn.Linear(16, 3))
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
@@ -98,6 +114,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "dropout": dropout,
     "buffers": buffers,
     "moe": TinyMoE,
+    "jitter": jitter,
 }
 
 

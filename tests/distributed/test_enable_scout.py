@@ -1,5 +1,9 @@
 """SCOUT through enable_resiliency: a persistent SDC blocks the captures after it, and the
-restarted job recovers the last certified step by itself, bit for bit."""
+restarted job recovers the last certified step by itself, bit for bit.
+
+SCOUT checks every step (``ScoutConfig(interval=1)``): the GPT's six blocks are five
+recipes, and step 10 is verified once each was checked clean at or after it (step 14),
+before the onset's first check of the faulty layer (15)."""
 
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ def _job(rank: int, world: int, tmp: str, faulty: bool) -> dict:
         disk_folder=tmp, disk_flush_interval=0, run_id="enable-scout", signal_flush=False
     )
     h = enable_resiliency(
-        ddp, opt, interval=INTERVAL, config=cfg, state={"data": data}, scout=ScoutConfig()
+        ddp, opt, interval=INTERVAL, config=cfg, state={"data": data}, scout=ScoutConfig(interval=1)
     )
     out: dict = {"start": h.start_step, "restored": _digest(model, opt)}
     if h.last_recovery.decision is not None:
