@@ -12,7 +12,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lm_resiliency.detection import ScoutStatus
 from lm_resiliency.models import GPTConfig, TinyGPT
+
+
+def accepted(status: ScoutStatus) -> ScoutStatus:
+    """A check's status with timing taken out: a STRAGGLER (a timing outlier confirmed on a
+    rerun) accepts the capture exactly as HEALTHY does (docs/scout.md), and on a loaded 2-core
+    host one rank's replay can really be several times slower than its peers'. The SDC
+    verdicts these tests are about are bitwise, never timing-dependent."""
+    return ScoutStatus.HEALTHY if status is ScoutStatus.STRAGGLER else status
+
 
 GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scout_fixtures import Trainer, digest
+from scout_fixtures import Trainer, accepted, digest
 
 from lm_resiliency import InMemoryCkptConfig, RecoveryMode
 from lm_resiliency.detection import (
@@ -132,7 +132,7 @@ def test_dynamic_catalog_certification_is_job_wide_and_a_restart_recovers_verifi
     }
     for rank, o in enumerate(job):
         got = {
-            s: (v["status"], v["cycle"], v["candidate"], v["verified"])
+            s: (accepted(v["status"]), v["cycle"], v["candidate"], v["verified"])
             for s, v in o["table"].items()
         }
         assert got == expected, f"rank {rank}"
@@ -216,7 +216,8 @@ def test_recovery_decision_table_for_every_failure_kind(tmp_path: Path) -> None:
         assert o["env_sdc"] == (FailureKind.SDC, verified, 10, "environment")
         assert o["unknown_no_scout"] == (FailureKind.UNKNOWN, verified, 10, "default")
         assert o["hang_clean"] == (FailureKind.HANG, latest, 13, "argument")
-        assert o["hang_clean_sweep"] == (ScoutStatus.HEALTHY, True)
+        status, complete = o["hang_clean_sweep"]
+        assert (accepted(status), complete) == (ScoutStatus.HEALTHY, True)
         assert o["hang_sdc"] == (FailureKind.HANG, verified, 10, "argument")
         assert o["hang_sdc_sweep"] == (ScoutStatus.SDC, (1,), False)
         assert o["after"] == (FailureKind.SDC, verified, 10, "persisted verdict")
