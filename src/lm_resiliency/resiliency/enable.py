@@ -120,7 +120,11 @@ def enable_adapter(
             checker = _scout(scout_config, adapter, layout, manager)
         recovery = recover(manager, tree.apply, fallback, scout=checker, failure_kind=failure_kind)
         boundary = CaptureBoundary(
-            manager, interval=config.interval, start_step=recovery.step or 0, build_tree=tree.build
+            manager,
+            interval=config.interval,
+            start_step=recovery.step or 0,
+            build_tree=tree.build,
+            rank_part=tree.per_rank,
         )
         if checker is not None:
             boundary.gates.append(checker.before_capture)
