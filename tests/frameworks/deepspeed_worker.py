@@ -9,9 +9,9 @@ an uninterrupted run sees. ``--loader`` feeds it from a real data pipeline
 instead: a ``StatefulDataLoader`` over a ``DistributedSampler`` (shuffled),
 whose dataset adds augmentation noise from the global torch RNG at each
 fetch; the loader is captured through ``state=`` and every rank writes the
-sample ids of each step to ``ids-attempt-<a>-rank-<r>.json``. ``--durable-every N`` also saves DeepSpeed's own
-checkpoint every N steps (``--durable-dir``), the fallback when GEMINI has no
-step on every rank.
+sample ids of each step to ``ids-attempt-<a>-rank-<r>.json``.
+``--durable-every N`` also saves DeepSpeed's own checkpoint every N steps
+(``--durable-dir``), the fallback when GEMINI has no step on every rank.
 """
 
 from __future__ import annotations
