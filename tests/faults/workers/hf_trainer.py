@@ -102,7 +102,7 @@ def main() -> int:
         "total_flos": trainer.state.total_flos,
         "epoch": trainer.state.epoch,
         "global_step": trainer.state.global_step,
-        "source": callback.last_recovery.source,
+        "source": getattr(getattr(callback, "last_recovery", None), "source", None),
     }
     (a.out / f"metrics-rank{rank}-attempt{attempt}.json").write_text(json.dumps(metrics))
     if rank == 0:
