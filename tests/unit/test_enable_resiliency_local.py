@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -217,3 +218,14 @@ def test_buffers_the_next_forward_updates_in_place_are_captured_at_their_step() 
             assert torch.equal(saved["4.running_var"], expected[1]), step
             assert int(saved["4.num_batches_tracked"]) == expected[2], step
             opt.zero_grad()
+
+
+def test_a_fallback_that_finds_nothing_reports_a_fresh_start_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = InMemoryCkptConfig(disk_folder=tmp_path, run_id="fresh-fallback")
+    with enable_resiliency(model, opt, config=config, load_fallback=lambda: None) as handle:
+        info = handle.last_recovery
+        assert (info.step, info.source, info.sources) == (None, "fresh", ("fresh",))
