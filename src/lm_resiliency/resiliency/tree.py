@@ -62,6 +62,8 @@ class CaptureTree:
 
         ``mine``: this rank's :meth:`per_rank` part when it was taken earlier (at the
         optimizer step of a framework that finishes its step later); taken now if None.
+        The LR schedulers among the ``state`` objects are stepped by the loop after the
+        optimizer, so their state is taken now in either case.
         """
         tree: dict[str, Any] = {
             "format": FORMAT,
@@ -73,6 +75,10 @@ class CaptureTree:
         }
         if mine is None:
             mine = self.per_rank()
+        else:
+            late = self._objects.schedulers_state_dicts()
+            if late:
+                mine = {**mine, "state": {**mine["state"], **late}}
         if self._layout.replica_group is None:
             tree["rank"] = mine
         else:
