@@ -28,8 +28,10 @@ Restart from memory in a *new process*: one process captures the state into
 memory slots on /dev/shm (and persists it) and exits without closing, as a
 crashed worker does; a second, new process builds a manager (which re-attaches
 to the slot files and validates them: identity, layout, state word, record
-CRC), calls ``find_latest()`` and ``load()`` (a hand-over of the mapping, no
-copy). The same new-process restore from own disk (page cache evicted), a raw
+CRC), calls ``find_latest()`` and ``load()`` (the slot's CRC-32C per chunk is
+checked against its record, then the mapping is handed over, no copy; the
+check's seconds are reported on their own, with their GB/s and their share of
+the restore). The same new-process restore from own disk (page cache evicted), a raw
 read of a file of the same size and DCP ``load`` are measured in the same run.
 
 Also runs the demo's faulty torchrun job once (4 workers) and reports its
@@ -40,7 +42,12 @@ Run: ``python benchmarks/recovery.py`` (``--size-mib 256`` for a quick look,
 rank. Prints a table and one JSON line. Targets: each of our paths >= 70 % of
 its limit; from memory >= 10x faster than DCP load; a new process restoring from
 memory >= 10x faster than from own disk and >= 20x faster than DCP load, with
-attach + validate <= 50 ms/GiB (no CRC).
+attach + validate <= 50 ms/GiB (without the slot CRC check, reported apart).
+
+Slot checksums on the replication path: every received replica is checked
+against the owner's CRC-32C per chunk on the holder's capture worker; its
+seconds, GB/s and ratio to the exchange it protects are printed, measured on the
+replication cycles of the same run.
 """
 
 from __future__ import annotations
@@ -226,8 +233,17 @@ def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[st
             if rep == 0:
                 _check_equal(loaded, state, source)
             del loaded
+    repl = manager.replication_stats
+    assert repl is not None
+    replica = {"cycle_s": list(repl.seconds), "verify_s": list(repl.verify_s)}
     manager.close()
-    return {"times": times, "sources": sources, "phases": phases, "bytes": _nbytes(state)}
+    return {
+        "times": times,
+        "sources": sources,
+        "phases": phases,
+        "bytes": _nbytes(state),
+        "replica_crc": replica,
+    }
 
 
 def _check_equal(loaded: dict[str, Any], state: dict[str, Any], source: str) -> None:
@@ -329,10 +345,12 @@ def _child(mode: str, size_mib: int, root: str) -> None:
     if step == 1:
         _check_equal(loaded, _state(size_mib * MIB, seed=7), f"a new process ({mode})")
     assert manager.last_recovery is not None
+    crc_s = sum(manager.tier.verify_s) if manager.tier is not None else 0.0  # inside load_s
     manager.close(finished=False)
     print(json.dumps({
         "construct_s": t1 - t0, "find_latest_s": t2 - t1, "load_s": t3 - t2,
         "restore_s": t3 - t0, "applied_s": t4 - t0, "sources": manager.last_recovery.sources,
+        "attach_crc_s": crc_s,
     }))  # fmt: skip
 
 
@@ -418,6 +436,9 @@ def _report_new_process(res: dict[str, Any]) -> dict[str, Any]:
         "memory_applied_s": round(mem["applied_s"], 4),
         "disk_applied_s": round(disk["applied_s"], 4),
         "dcp_over_memory_applied": round(dcp_s / mem["applied_s"], 1),
+        "attach_crc_s": round(mem["attach_crc_s"], 4),
+        "attach_crc_gbps": round(_gbps(res["bytes"], mem["attach_crc_s"]), 2),
+        "attach_crc_share_of_restore": round(mem["attach_crc_s"] / mem["restore_s"], 3),
         "sources": [res["runs"]["memory"][0]["sources"], res["runs"]["disk"][0]["sources"]],
     }
     print(
@@ -432,6 +453,9 @@ def _report_new_process(res: dict[str, Any]) -> dict[str, Any]:
         f"  from own disk:     {disk['restore_s']:.3f} s   raw read {raw:.3f} s   DCP load "
         f"{dcp_s:.3f} s"
     )
+    print(f"  of which the slot's CRC-32C check (inside the hand-over): "
+          f"{mem['attach_crc_s']:.3f} s = {row['attach_crc_gbps']:.2f} GB/s, "
+          f"{100 * row['attach_crc_share_of_restore']:.0f} % of the restore")  # fmt: skip
     print(f"  memory is {row['disk_over_memory']}x faster than own disk, "
           f"{row['dcp_over_memory']}x faster than DCP load")  # fmt: skip
     print(f"  restored and copied into the live model/optimizer tensors (as load_state_dict; "
@@ -442,7 +466,23 @@ def _report_new_process(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+def _replica_crc(stats: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
+    """The holder's CRC check of each received replica vs the exchange it protects."""
+    med = statistics.median
+    verify, cycle = stats["verify_s"], stats["cycle_s"]
+    exchange = [c - v for c, v in zip(cycle, verify, strict=True)]
+    v, x = med(verify), med(exchange)
+    return {
+        "cycles": len(verify),
+        "verify_s": round(v, 4),
+        "verify_gbps": round(_gbps(nbytes, v), 2),
+        "exchange_s": round(x, 4),
+        "exchange_gbps": round(_gbps(nbytes, x), 2),
+        "verify_over_exchange": round(v / x, 3),
+    }
 
 
 def main() -> None:
@@ -513,6 +553,11 @@ def main() -> None:
         parts = ", ".join(f"{k} {med([p[k] for p in runs]):.3f}" for k in runs[0] if k != "fetch")
         print(f"  {source:<12} phases (median s): {parts}")
     print(f"DCP load (no_dist, in place): {dcp_s:.3f} s, {_gbps(nbytes, dcp_s):.2f} GB/s")
+    replica = _replica_crc(r0["ours"]["replica_crc"], nbytes)
+    print(f"received replica (rank 0, {replica['cycles']} cycles, median): CRC-32C check "
+          f"{replica['verify_s']:.3f} s = {replica['verify_gbps']:.2f} GB/s on the capture "
+          f"worker, {replica['verify_over_exchange']:.2f}x the exchange it protects "
+          f"({replica['exchange_s']:.3f} s, {replica['exchange_gbps']:.2f} GB/s)")  # fmt: skip
     print("the same limits into freshly allocated memory (page faults included), GB/s: "
           f"memcpy {_gbps(nbytes, lim['memcpy_fresh']):.2f}, raw Gloo "
           f"{_gbps(nbytes, lim['gloo_fresh']):.2f}, raw read "
@@ -530,6 +575,7 @@ def main() -> None:
                 "dcp_load_s": round(dcp_s, 4),
                 "limits_s": {k: round(v, 4) for k, v in lim.items()},
                 "demo_recovery_s": demo,
+                "replica_crc": replica,
                 "new_process": restart,
             }
         )

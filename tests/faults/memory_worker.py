@@ -10,6 +10,7 @@ tensor is exactly the captured one.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 import torch
@@ -26,6 +27,8 @@ def state(step: int, mib: int) -> dict:
 def main() -> int:
     mode, run_id, mib = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
+    # A torn slot is routine and logged at INFO; the kill tests read its reason from stderr.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = InMemoryCkptConfig(run_id=run_id, interval=1, disk_flush_interval=0, signal_flush=False)
     manager = InMemoryCheckpointManager(cfg)
     if mode == "capture":

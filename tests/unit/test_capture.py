@@ -83,9 +83,12 @@ def test_contract_training_loop_round_trips_every_capture_bit_exactly() -> None:
         assert manager.slots()["own_previous"].step == 6
         _assert_same(manager.load(8), expected[8])
         _assert_same(manager.load(6), expected[6])  # own_previous
-        # load() hands the slot's arena over instead of copying it: both slots are now
-        # empty and refill at the next capture; with disk_flush_interval=100 no step was
-        # persisted (only multiples of the flush interval are), so nothing is left
+        # load() leaves the slots attachable until the state is applied; commit_recovery()
+        # then hands their arenas over instead of copying them: both slots are empty and
+        # refill at the next capture; with disk_flush_interval=100 no step was persisted
+        # (only multiples of the flush interval are), so nothing is left
+        assert manager.arena_bytes() > 0
+        manager.commit_recovery()
         assert manager.arena_bytes() == 0
         assert manager.find_latest() is None
         manager.save(_state(model, opt, 10), 10)

@@ -37,6 +37,8 @@ class SlotState(enum.IntEnum):
     COPYING = 1
     CAPTURED = 2
     REPLICATED = 3
+    """Sent to the peer and acknowledged by its transport (the peer may still refuse the
+    bytes on their checksums: informational, no decision rests on it)."""
     PERSISTED = 4
 
 

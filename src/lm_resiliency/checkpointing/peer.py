@@ -12,6 +12,14 @@ capture worker); the holder checksums what arrived (on the same worker, off the
 training thread) and refuses a replica whose bytes differ: it was damaged in
 transit. The verified checksums seal the held slot, so its file is checked
 again when a restarted process re-attaches it.
+
+The check runs after the transport's acknowledgement, so the owner is not told
+of a refusal: its cycle succeeded, and its own slot is marked ``REPLICATED``
+and counted in ``stats.replicated`` although the holder dropped the replica.
+The refusal is counted, logged and kept in ``last_error`` on the holder only.
+Nothing decides on that mark (flushing looks at ``PERSISTED`` only, recovery
+asks every holder what it actually holds), so a refused replica is never
+offered as a source; read ``REPLICATED`` as "sent and acknowledged".
 """
 
 from __future__ import annotations
@@ -41,9 +49,15 @@ class ReplicationStats:
     """Outcome counts and timings of replication cycles on this rank."""
 
     replicated: int = 0
+    """Cycles whose exchange completed here: this rank's capture was sent and acknowledged
+    and the replica it received passed its checksums. A holder that refuses this rank's
+    capture on its checksums counts that in *its* ``failures``; this count does not see it."""
     failures: int = 0
     last_error: str | None = None
     seconds: list[float] = field(default_factory=list)
+    """Each successful cycle, exchange and checksum check of the received replica."""
+    verify_s: list[float] = field(default_factory=list)
+    """The part of each cycle spent checksumming the received replica (included in ``seconds``)."""
     bytes_sent: int = 0
 
 
@@ -116,7 +130,9 @@ class PeerReplicas:
             received = self.channel.exchange(
                 step=step, send_header=header, send_arena=own.arena, recv_alloc=alloc
             )
+            t1 = time.perf_counter()
             crcs = _verified_crcs(received.header, target, src=self.recv_from, step=step)
+            self.stats.verify_s.append(time.perf_counter() - t1)
         except (ReplicationError, IntegrityError) as exc:
             target.invalidate()
             self.stats.failures += 1

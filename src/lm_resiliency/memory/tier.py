@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -98,7 +99,9 @@ class _SharedArena:
         Once per attachment: a slot that passed is trusted for the rest of this process.
         """
         if self.record is not None:
+            t0 = time.perf_counter()
             self.file.verify(self.record, required=True)
+            self._tier.verify_s.append(time.perf_counter() - t0)
             self.record = None
 
     def hand_over(self) -> torch.Tensor:
@@ -133,6 +136,8 @@ class MemoryTier:
         self.required = required
         self.slots = slots
         self.timeline: str | None = None
+        self.verify_s: list[float] = []
+        """Seconds checking each re-attached slot against its record's checksums."""
         self.active = True
         self._generation = 0
         self._warned = False
