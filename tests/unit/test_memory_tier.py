@@ -463,3 +463,27 @@ def test_a_restarted_job_that_recovers_nothing_warns_without_any_logging_setup(
     assert done.returncode == 0, done.stderr
     (line,) = [ln for ln in done.stderr.splitlines() if "GEMINI recovers nothing" in ln]
     assert "no step is available on every rank" in line and "rank 0: none" in line
+
+
+def test_a_state_changed_before_commit_recovery_is_not_kept_as_the_recovered_step(
+    _isolated_memory_folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    param = torch.nn.Parameter(torch.randn(1 << 19))  # 2 MiB: Adam's state aliases the arena
+    opt = torch.optim.Adam([param])
+    first = InMemoryCheckpointManager(_cfg())
+    for step in (5, 10):
+        param.grad = torch.randn_like(param)
+        opt.step()
+        first.save({"optim": opt.state_dict()}, step)
+        first.maybe_wait()
+    first.close(finished=False)
+    with InMemoryCheckpointManager(_cfg()) as m, caplog.at_level(logging.WARNING):
+        opt.load_state_dict(m.load(10)["optim"])
+        opt.step()  # before commit_recovery(): the handed-over bytes are no longer step 10
+        m.commit_recovery()
+        m.maybe_wait()
+        m.wait_persisted()
+        committed = [p for p in _slots(_isolated_memory_folder) if _state_word(p) == _COMMITTED]
+        assert [_step_of(p) for p in committed] == [5]  # the copy's file stays, uncommitted
+        assert [s.step for s in m.slots().values()] == [None, 5]
+        assert "changed before commit_recovery()" in caplog.text

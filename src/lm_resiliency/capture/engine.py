@@ -87,7 +87,8 @@ class CaptureStats:
     relayouts: int = 0
     failures: int = 0
     kept_copy_s: list[float] = field(default_factory=list)
-    """Worker seconds copying each handed-over slot back into own memory (:meth:`hand_over`)."""
+    """Worker seconds allocating a slot for and copying each handed-over step back into own
+    memory (:meth:`CaptureEngine.hand_over`)."""
     kept_wait_s: list[float] = field(default_factory=list)
     """Caller seconds ``wait_captured`` waited for such a copy (not in ``wait_s``)."""
 
