@@ -50,6 +50,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from lm_resiliency.errors import ConfigError
+
 __all__ = [
     "Adapter",
     "AdapterBase",
@@ -191,6 +193,49 @@ class Adapter(Protocol):
         ...
 
 
+def bind_optimizer_hooks(
+    optimizers: Sequence[torch.optim.Optimizer], boundary: StepBoundary
+) -> Unbind:
+    """The default step boundary: public ``torch.optim.Optimizer`` step hooks.
+
+    ``register_step_pre_hook`` runs before an optimizer modifies its parameters,
+    ``register_step_post_hook`` right after; both are per-instance public API, so
+    nothing of torch is patched. With several optimizers the boundary is reached
+    when each of them stepped once since the previous one.
+
+    Installs the hooks; returns the function that removes them. Raises ``ConfigError``.
+    """
+    if not optimizers:
+        raise ConfigError(
+            "no optimizer to hook: pass the optimizer, e.g. enable_resiliency(model, optimizer)"
+        )
+    ids = [id(o) for o in optimizers]
+    if len(set(ids)) != len(ids):
+        raise ConfigError("the same optimizer was given twice; pass each optimizer once")
+    pending: set[int] = set()
+
+    def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        boundary.before_step()
+
+    def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        pending.add(id(opt))
+        if len(pending) == len(ids):
+            pending.clear()
+            boundary.after_step()
+
+    handles = []
+    for opt in optimizers:
+        handles.append(opt.register_step_pre_hook(pre))
+        handles.append(opt.register_step_post_hook(post))
+
+    def unbind() -> None:
+        for h in handles:
+            h.remove()
+        handles.clear()
+
+    return unbind
+
+
 class AdapterBase:
     """Defaults for an :class:`Adapter`: optimizer-hook boundary, no per-rank extras.
 
@@ -212,8 +257,6 @@ class AdapterBase:
         With several optimizers the step is complete once every one of them
         stepped since the previous boundary (e.g. a GAN's two optimizers).
         """
-        from lm_resiliency.integrations._hooks import bind_optimizer_hooks
-
         return bind_optimizer_hooks(self.step_optimizers(), boundary)
 
     def state_dict(self) -> dict[str, Any]:
