@@ -28,7 +28,7 @@ stores the boundary and its own callbacks call ``before_step()`` (before the
 parameters change) and ``after_step()`` (once per completed step, at the point
 where everything the next step depends on is settled). ``restore_rng`` defers
 the generators' restore when the framework draws from them between the
-restore and its first step (see ``integrations/hf.py``).
+restore and its first step (see ``resiliency/hf.py``).
 
 What the handle adds itself (adapters must not capture it again): every RNG
 the step draws from (torch CPU and every CUDA generator, Python ``random``,
