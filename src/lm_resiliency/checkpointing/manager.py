@@ -1,6 +1,6 @@
 """InMemoryCheckpointManager: capture -> replicate -> persist -> recover, for one rank.
 
-Call order on every rank (the contract's training loop)::
+Call order on every rank (the plain training loop of README.md, "The GEMINI manager")::
 
     manager = InMemoryCheckpointManager(InMemoryCkptConfig(interval=10))
     for step in range(1, max_steps + 1):

@@ -1,7 +1,7 @@
 """Certification: which captured steps become CANDIDATE or RECOVERY_VERIFIED, and rejection.
 
-The contract's rules, applied identically on every rank (each rank decides from
-the same all-gathered reports, so decisions are job-wide):
+The rules of docs/scout.md ("Certification"), applied identically on every rank
+(each rank decides from the same all-gathered reports, so decisions are job-wide):
 
 * dense catalogs: a rotation over blocks of different signatures is K recipes
   (:mod:`~lm_resiliency.detection.coverage`). A capture is a ``CANDIDATE``

@@ -8,7 +8,7 @@ signature the source recorded (its hash travels in every report). Identical
 transformer layers are one recipe; the embedding, the head and the norms are
 others.
 
-The rule (the contract's candidate rule for K recipes): a capture at step ``s``
+The rule (docs/scout.md, "Certification": K recipes): a capture at step ``s``
 is safe once, in every comparison group, every recipe was checked clean at a
 boundary at or after ``s``. Under a persistent fault a recipe that checks clean
 at ``t >= s`` computed correctly before ``s`` too, so the state at ``s`` was

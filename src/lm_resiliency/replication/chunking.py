@@ -14,7 +14,7 @@ MAX_CHUNK_BYTES = 64 * 1024 * 1024
 """Largest chunk: one message must never monopolise the NIC for long."""
 
 DEFAULT_CHUNK_BYTES = REPLICATION_CHUNK_BYTES
-"""The contract's default ``replication_chunk_size``."""
+"""The default ``replication_chunk_size`` (docs/replication.md, "Chunk size")."""
 
 
 def _number(name: str, value: object) -> float:
@@ -70,7 +70,7 @@ def estimate_chunk_size(
     if slack_ms <= 0:
         return MIN_CHUNK_BYTES
     allowed_s = slack_ms * fraction / 1000.0
-    # round(): the product carries float noise (21_000_000.000000004 for the
-    # contract's example); a fraction of a byte is noise, not a bound.
+    # round(): the product carries float noise (21_000_000.000000004 for the worked
+    # example of docs/replication.md); a fraction of a byte is noise, not a bound.
     chunk = round(bandwidth * 1e9 / 8 * allowed_s)
     return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, chunk))

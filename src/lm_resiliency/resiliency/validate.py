@@ -37,7 +37,7 @@ def describe_model(adapter: Adapter) -> str:
 def gemini_config(config: Any, interval: Any) -> InMemoryCkptConfig:
     """``config`` (default ``InMemoryCkptConfig()``) with ``interval`` as its capture cadence.
 
-    ``interval`` overrides ``config.interval`` (the contract's unified call); a
+    ``interval`` overrides ``config.interval`` (docs/integration.md: one call); a
     warning says so only when the user set ``config.interval`` to something else
     (a config left at the field's default has no cadence of its own to lose).
     """
