@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 
@@ -54,7 +54,7 @@ from lm_resiliency.checkpointing.trust_writer import TrustWriter
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.control import ControlPlane
 from lm_resiliency.distributed import restart_count
-from lm_resiliency.errors import CaptureError, ConfigError, ResiliencyError, UnsafePathError
+from lm_resiliency.errors import CaptureError, ResiliencyError, UnsafePathError
 from lm_resiliency.memory import MemoryTier
 from lm_resiliency.persistence import (
     RecoveryVerdict,
@@ -75,7 +75,6 @@ from lm_resiliency.recovery.sources import DiskShards, MemorySlots, NoSource, St
 from lm_resiliency.replication import ReplicationChannel
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 __all__ = ["InMemoryCheckpointManager", "RecoveryReport"]
 
@@ -128,8 +127,7 @@ class InMemoryCheckpointManager:
         self._trust_writer = TrustWriter(self.rank)
         self.world_size = self.control.world_size
         self.hsdp = cfg.skip_replication_if_hsdp and hsdp_replicated
-        self.plan = self._agreed(
-            "check this rank's environment",
+        self.plan = self.control.agree(
             lambda: preflight(
                 cfg,
                 rank=self.rank,
@@ -137,6 +135,7 @@ class InMemoryCheckpointManager:
                 hsdp=self.hsdp,
                 replica_ranks=replica_ranks,
             ),
+            "check this rank's environment",
         )
         with self.control.op("agree the run id"):
             self.run_id = resolve_run_id(cfg.run_id, group=self.control.group)
@@ -146,8 +145,7 @@ class InMemoryCheckpointManager:
         group_fp = topology_fingerprint(list(range(self.world_size)), pairs)
         with self.control.op("agree the topology"):
             self.topology = agree_job_fingerprint(group_fp, group=self.control.group)
-        self.tier = self._agreed(
-            "open the memory folders",
+        self.tier = self.control.agree(
             lambda: (
                 memory_tier(
                     cfg,
@@ -160,6 +158,7 @@ class InMemoryCheckpointManager:
                 if cfg.enable
                 else None
             ),
+            "open the memory folders",
         )
         backing: ArenaBacking = self.tier if self.tier is not None else ANONYMOUS
         channel = None
@@ -194,7 +193,9 @@ class InMemoryCheckpointManager:
             backing=backing,
             plan_arenas=self.tier.plan if self.tier is not None else None,
         )
-        local = self._agreed("attach memory slots and open node-local folders", self._open_local)
+        local = self.control.agree(
+            self._open_local, "attach memory slots and open node-local folders"
+        )
         self.history = History.agree(
             local, control=self.control, run_id=self.run_id, resume=cfg.resume
         )
@@ -234,32 +235,6 @@ class InMemoryCheckpointManager:
                 log.info("manager built off the main thread: no SIGTERM/SIGINT flush installed")
 
     # ------------------------------------------------------------------ construction
-    def _agreed(self, what: str, fn: Callable[[], _T]) -> _T:
-        """Run a local setup step on every rank; if it fails on any rank, raise on every rank.
-
-        A folder refused on one rank (another user's, a link, a damaged manifest)
-        must not leave the other ranks waiting in the next collective. When every
-        refusal is a ``ConfigError`` (a bad environment variable on one rank), the
-        other ranks raise a ``ConfigError`` too, naming the ranks and their errors.
-        """
-        error = ""
-        result = None
-        mine: BaseException | None = None
-        try:
-            result = fn()
-        except (ResiliencyError, OSError) as exc:
-            error, mine = f"{type(exc).__name__}: {exc}", exc
-        errors = self.control.all_gather_bytes(error.encode(), name=what)
-        failed = {r: e.decode() for r, e in enumerate(errors) if e}
-        if mine is not None:
-            raise mine  # this rank's own error, with its type; the others name this rank
-        if failed:
-            lines = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
-            config = all(e.startswith(f"{ConfigError.__name__}: ") for e in failed.values())
-            kind = ConfigError if config else ResiliencyError
-            raise kind(f"cannot {what} on rank(s) {sorted(failed)}: {lines}")
-        return result  # type: ignore[return-value]
-
     def _open_local(self) -> list[Lineage | None]:
         self._attach()
         return self._local_lineages()
