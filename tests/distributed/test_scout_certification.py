@@ -44,7 +44,7 @@ def _moe_scout(t: Trainer, manager: InMemoryCheckpointManager, world: int, cands
     return Scout(
         ScoutConfig(),
         t.net,
-        manager=manager,
+        manager=manager.trust,
         groups=ComparisonGroups.hsdp(world, shard_size=2),  # groups [0, 2] and [1, 3]
         dynamic=catalog,
         interval=manager.config.interval,
@@ -73,7 +73,7 @@ def _dynamic_job(rank: int, world: int, tmp: str) -> dict:
                 manager.save(t.state(step), step)
                 captured[step] = digest(t.state(step))
                 scout.after_capture(step)
-            manager.wait_trust()
+            manager.trust.wait()
             r = scout.last_result
             table[step] = {
                 "status": r.status,
@@ -154,7 +154,7 @@ def test_dynamic_catalog_certification_is_job_wide_and_a_restart_recovers_verifi
 def _decisions(rank: int, world: int, tmp: str) -> dict:
     t = Trainer("mlp", rank=rank, world=world, ddp=False)
     manager = _manager(tmp, "decisions", world)
-    scout = Scout(ScoutConfig(), t.net, manager=manager, interval=manager.config.interval)
+    scout = Scout(ScoutConfig(), t.net, manager=manager.trust, interval=manager.config.interval)
     for step in range(1, 11):
         manager.maybe_wait()
         t.step()
@@ -188,7 +188,7 @@ def _decisions(rank: int, world: int, tmp: str) -> dict:
     sick = decide_recovery(manager, failure_kind="hang", scout=scout, env={})
     out["hang_sdc"] = (sick.failure_kind, sick.mode, sick.step, sick.source)
     out["hang_sdc_sweep"] = (sick.sweep.status, sick.sweep.faulty_ranks, sick.sweep.complete_cycle)
-    manager.wait_trust()
+    manager.trust.wait()
     out["after"] = decide(failure_kind="straggler", env={})  # the sweep's verdict persisted
     scout.close()
     manager.close()
