@@ -82,7 +82,7 @@ def _dynamic_job(rank: int, world: int, tmp: str) -> dict:
                 "verified": manager.find_latest(RecoveryMode.RECOVERY_VERIFIED),
             }
     manager.wait_persisted(timeout_s=60)
-    status = manager.store().status()
+    status = manager.store().sidecar.status()
     out = {
         "table": table,
         "captured": captured,

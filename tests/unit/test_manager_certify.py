@@ -76,7 +76,7 @@ def test_promotion_needs_no_second_write_and_unverified_is_refused(tmp_path: Pat
         # One write; its header has the trust known when it ran (candidate or already verified).
         assert m.flush_stats.written == 1
         assert _trust_on_disk(tmp_path)[10] in {"candidate", "recovery_verified"}
-        assert m.store().status().verified_history == (10,)
+        assert m.store().sidecar.status().verified_history == (10,)
         assert m.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10
         with pytest.raises(ValueError, match="not UNVERIFIED"):
             m.trust.certify(10, TrustStatus.UNVERIFIED)

@@ -135,7 +135,7 @@ class SourceSet:
         verified = set(self._trust.verified())
         store = self._disk.existing()
         if store is not None:
-            status = store.status()
+            status = store.sidecar.status()
             verified |= set(status.verified_history)
             if status.verified_step is not None:
                 verified.add(status.verified_step)

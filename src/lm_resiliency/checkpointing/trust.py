@@ -138,7 +138,7 @@ class TrustLedger:
             self._in_background(lambda: self.mark_verified(step), f"verify step {step}")
         else:
             store = self._disk.store
-            self._in_background(lambda: store().mark_candidate(step), f"candidate {step}")
+            self._in_background(lambda: store().sidecar.mark_candidate(step), f"candidate {step}")
 
     def reject(self, step: int, *, reason: str) -> None:
         """Record ``step`` as rejected (SCOUT found SDC before it was verified).
@@ -153,7 +153,7 @@ class TrustLedger:
             self._verified.discard(step)
             self._candidates.discard(step)
         store = self._disk.store
-        self._in_background(lambda: store().mark_rejected(step, reason), f"reject {step}")
+        self._in_background(lambda: store().sidecar.mark_rejected(step, reason), f"reject {step}")
 
     def require_verified_recovery(self, step: int, *, reason: str) -> None:
         """Persist SCOUT's verdict "SDC seen at ``step``: recover in verified mode".
@@ -165,7 +165,7 @@ class TrustLedger:
         verdict = RecoveryVerdict(step=step, reason=reason)
         self._verdict = verdict
         store = self._disk.store
-        self._in_background(lambda: store().set_verdict(verdict), f"verdict at {step}")
+        self._in_background(lambda: store().sidecar.set_verdict(verdict), f"verdict at {step}")
 
     def clear_recovery_verdict(self) -> None:
         """Remove a persisted recovery verdict (after a verified recovery was certified)."""
@@ -174,7 +174,7 @@ class TrustLedger:
         self._verdict = None
         if had:
             store = self._disk.store
-            self._in_background(lambda: store().set_verdict(None), "clear verdict")
+            self._in_background(lambda: store().sidecar.set_verdict(None), "clear verdict")
 
     def recovery_verdict(self) -> RecoveryVerdict | None:
         """This rank's recovery verdict: set in this process, or read from its own sidecar.
@@ -185,7 +185,7 @@ class TrustLedger:
             return self._verdict
         self.wait()
         store = self._disk.existing()
-        return None if store is None else store.status().verdict
+        return None if store is None else store.sidecar.status().verdict
 
     # -- GEMINI's side -----------------------------------------------------------
 
@@ -195,7 +195,7 @@ class TrustLedger:
             self._verified.add(step)
         held = self._serves_owner
         owners = (self._rank,) if held is None else (self._rank, held)
-        self._disk.store().mark_verified(step, owners)
+        self._disk.store().sidecar.mark_verified(step, owners)
 
     def trust_of(self, step: int) -> TrustStatus:
         """The trust to record in a shard of ``step`` written now."""
