@@ -1,5 +1,9 @@
 """SCOUT through enable_resiliency: a persistent SDC blocks the captures after it, and the
-restarted job recovers the last certified step by itself, bit for bit."""
+restarted job recovers the last certified step by itself, bit for bit.
+
+SCOUT checks every step (``ScoutConfig(interval=1)``): the GPT's six blocks are five
+recipes, and step 10 is verified once each was checked clean at or after it (step 14),
+before the onset's first check of the faulty layer (15)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import hashlib
 from pathlib import Path
 
 import torch
+from scout_fixtures import accepted
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lm_resiliency import InMemoryCkptConfig, RecoveryMode, ScoutConfig, enable_resiliency
@@ -41,7 +46,7 @@ def _job(rank: int, world: int, tmp: str, faulty: bool) -> dict:
         disk_folder=tmp, disk_flush_interval=0, run_id="enable-scout", signal_flush=False
     )
     h = enable_resiliency(
-        ddp, opt, interval=INTERVAL, config=cfg, state={"data": data}, scout=ScoutConfig()
+        ddp, opt, interval=INTERVAL, config=cfg, state={"data": data}, scout=ScoutConfig(interval=1)
     )
     out: dict = {"start": h.start_step, "restored": _digest(model, opt)}
     if h.last_recovery.decision is not None:
@@ -80,8 +85,9 @@ def test_sdc_blocks_captures_and_the_restart_recovers_the_certified_step(tmp_pat
     first = run_distributed(_job, 3, args=(str(tmp_path), True), timeout_s=240)
     for o in first:
         assert o["start"] == 0
-        assert o["statuses"][5] == (ScoutStatus.HEALTHY, ())
-        assert o["statuses"][10] == (ScoutStatus.HEALTHY, ())
+        for step in (5, 10):
+            status, faulty = o["statuses"][step]
+            assert (accepted(status), faulty) == (ScoutStatus.HEALTHY, ())
         # the first check after the onset; the majority of 3 names rank 1
         assert o["statuses"][15] == (ScoutStatus.SDC, (1,))
         assert (o["captures"], o["skipped"]) == (2, 2)  # 15 rejected, 20 latched

@@ -56,6 +56,7 @@ def _peer_memory(rank: int, world: int, tmp: str) -> dict:
             "sources": rep.sources,
             "moved": rep.bytes_moved,
             "phases": sorted(rep.phases_s),
+            "not_own": rep.not_own_memory,
         }
 
 
@@ -69,6 +70,8 @@ def test_a_rank_without_memory_recovers_from_its_peers_memory(tmp_path, world: i
         assert o["sources"][0] == "own memory"
     assert out[1]["moved"] > 0 and out[0]["moved"] == 0
     assert out[0]["phases"] == ["agree", "decode", "fetch", "prepare", "transfer"]
+    # Why rank 1 was not served from own memory, the same on every rank.
+    assert all(o["not_own"] == ["rank 1: own memory has no step 20 (it holds none)"] for o in out)
 
 
 def _persisted_then_restarted(m: InMemoryCheckpointManager, rank: int) -> None:

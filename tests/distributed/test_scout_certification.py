@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scout_fixtures import Trainer, digest
+from scout_fixtures import Trainer, accepted, digest
 
 from lm_resiliency import InMemoryCkptConfig, RecoveryMode
 from lm_resiliency.detection import (
@@ -14,6 +14,7 @@ from lm_resiliency.detection import (
     ComparisonGroups,
     DynamicCatalog,
     FailureKind,
+    RecipeClass,
     Scout,
     ScoutConfig,
     ScoutStatus,
@@ -41,8 +42,12 @@ def _manager(tmp: str, run_id: str, world: int) -> InMemoryCheckpointManager:
 
 def _moe_scout(t: Trainer, manager: InMemoryCheckpointManager, world: int, cands: list) -> Scout:
     catalog = DynamicCatalog(t.model.experts, shapes=[[(8, 16)], [(16, 16)]])  # K = 2
+    # The dense recipes are checked every step: a candidate becomes verified after its
+    # second complete cycle only once the dense rotation (7 blocks, 4 signatures) has
+    # also checked every dense recipe clean since; at 5-step intervals it would need 35.
+    every_step = RecipeClass(interval=1)
     return Scout(
-        ScoutConfig(),
+        ScoutConfig(dense=every_step, optimizer=every_step),
         t.net,
         manager=manager.trust,
         groups=ComparisonGroups.hsdp(world, shard_size=2),  # groups [0, 2] and [1, 3]
@@ -57,8 +62,8 @@ def _dynamic_job(rank: int, world: int, tmp: str) -> dict:
     manager = _manager(tmp, "moe-cert", world)
     candidates: list[int] = []
     scout = _moe_scout(t, manager, world, candidates)
-    # Check 6 (step 30) replays expert 1 (the experts rotate per dynamic check): rank 3 of
-    # group [1, 3] computes it wrong from step 27.
+    # The dynamic check at step 30 replays expert 1 (the experts rotate per planned check):
+    # rank 3 of group [1, 3] computes it wrong from step 27.
     faults = ComputeFaults(
         [PersistentSDC(rank=3, module=t.model.experts[1], from_step=27)], rank=rank
     )
@@ -68,7 +73,9 @@ def _dynamic_job(rank: int, world: int, tmp: str) -> dict:
     for step in range(1, 31):
         manager.maybe_wait()
         t.step()
-        if step % manager.config.interval == 0:
+        if step % manager.config.interval != 0:
+            scout.maybe_check(step)
+        else:
             if scout.before_capture(step):
                 manager.save(t.state(step), step)
                 captured[step] = digest(t.state(step))
@@ -125,7 +132,7 @@ def test_dynamic_catalog_certification_is_job_wide_and_a_restart_recovers_verifi
     }
     for rank, o in enumerate(job):
         got = {
-            s: (v["status"], v["cycle"], v["candidate"], v["verified"])
+            s: (accepted(v["status"]), v["cycle"], v["candidate"], v["verified"])
             for s, v in o["table"].items()
         }
         assert got == expected, f"rank {rank}"
@@ -154,16 +161,21 @@ def test_dynamic_catalog_certification_is_job_wide_and_a_restart_recovers_verifi
 def _decisions(rank: int, world: int, tmp: str) -> dict:
     t = Trainer("mlp", rank=rank, world=world, ddp=False)
     manager = _manager(tmp, "decisions", world)
-    scout = Scout(ScoutConfig(), t.net, manager=manager.trust, interval=manager.config.interval)
-    for step in range(1, 11):
+    # Checks every step: the MLP's three layers are three recipes, so step 10 is verified
+    # once each was checked clean at or after it (steps 10, 11, 12).
+    scout = Scout(ScoutConfig(interval=1), t.net, manager=manager.trust, interval=INTERVAL)
+    for step in range(1, 13):
         manager.maybe_wait()
         t.step()
-        if step % INTERVAL == 0 and scout.before_capture(step):
-            manager.save(t.state(step), step)
-            scout.after_capture(step)
+        if step % INTERVAL == 0:
+            if scout.before_capture(step):
+                manager.save(t.state(step), step)
+                scout.after_capture(step)
+        else:
+            scout.maybe_check(step)
     manager.maybe_wait()
     t.step()
-    manager.save(t.state(11), 11)  # a capture SCOUT never checked (latest, not verified)
+    manager.save(t.state(13), 13)  # a capture SCOUT never checked (latest, not verified)
     manager.maybe_wait()
 
     def decide(**kw: object) -> tuple:
@@ -199,12 +211,13 @@ def test_recovery_decision_table_for_every_failure_kind(tmp_path: Path) -> None:
     out = run_distributed(_decisions, 3, args=(str(tmp_path),), timeout_s=150)
     latest, verified = RecoveryMode.LATEST, RecoveryMode.RECOVERY_VERIFIED
     for o in out:
-        assert o["straggler"] == (FailureKind.STRAGGLER, latest, 11, "argument")
+        assert o["straggler"] == (FailureKind.STRAGGLER, latest, 13, "argument")
         assert o["inaccessible"] == (FailureKind.INACCESSIBLE, verified, 10, "argument")
         assert o["env_sdc"] == (FailureKind.SDC, verified, 10, "environment")
         assert o["unknown_no_scout"] == (FailureKind.UNKNOWN, verified, 10, "default")
-        assert o["hang_clean"] == (FailureKind.HANG, latest, 11, "argument")
-        assert o["hang_clean_sweep"] == (ScoutStatus.HEALTHY, True)
+        assert o["hang_clean"] == (FailureKind.HANG, latest, 13, "argument")
+        status, complete = o["hang_clean_sweep"]
+        assert (accepted(status), complete) == (ScoutStatus.HEALTHY, True)
         assert o["hang_sdc"] == (FailureKind.HANG, verified, 10, "argument")
         assert o["hang_sdc_sweep"] == (ScoutStatus.SDC, (1,), False)
         assert o["after"] == (FailureKind.SDC, verified, 10, "persisted verdict")

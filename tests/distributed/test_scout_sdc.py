@@ -1,13 +1,18 @@
 """SCOUT on real Gloo ranks: a persistent SDC is found at the first check after it starts,
 attributed (3 and 4 peers) or inconclusive (2 peers), its capture is skipped, and verified
-recovery returns the last certified step bit for bit. A slow rank is a straggler only."""
+recovery returns the last certified step bit for bit. A slow rank is a straggler only.
+
+The GPT has five signatures (embeddings, the two identical layers, the norm, the head): a
+capture is verified once every one was checked clean at or after it. SCOUT checks every
+step here (``ScoutConfig(interval=1)``), so the rotation covers step 10 by step 14, before
+the fault is found at 15."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from scout_fixtures import Trainer, digest
+from scout_fixtures import Trainer, accepted, digest
 
 from lm_resiliency import InMemoryCkptConfig, RecoveryMode
 from lm_resiliency.detection import Scout, ScoutConfig, ScoutStatus
@@ -17,7 +22,7 @@ from lm_resiliency.testing import run_distributed
 
 INTERVAL = 5
 ONSET = 12  # the fault starts after optimizer step 12; the next boundary is 15
-BLOCK_AT_15 = 2  # the third check (5, 10, 15) replays block 2 of the GPT (its first layer)
+BLOCK_AT_15 = 2  # check 15 (one per step, 6 blocks) replays block 2 of the GPT (its first layer)
 
 
 def _manager(tmp: str, run_id: str) -> InMemoryCheckpointManager:
@@ -35,7 +40,7 @@ def _manager(tmp: str, run_id: str) -> InMemoryCheckpointManager:
 def _sdc_run(rank: int, world: int, tmp: str, faulty: int, steps: int, ddp: bool) -> dict:
     t = Trainer("gpt", rank=rank, world=world, ddp=ddp)
     manager = _manager(tmp, f"sdc-{world}")
-    scout = Scout(ScoutConfig(), t.net, manager=manager.trust, interval=manager.config.interval)
+    scout = Scout(ScoutConfig(interval=1), t.net, manager=manager.trust, interval=INTERVAL)
     assert scout.blocks[BLOCK_AT_15].module is t.model.blocks[0]
     faults = ComputeFaults(
         [PersistentSDC(rank=faulty, module=t.model.blocks[0], from_step=ONSET)], rank=rank
@@ -53,6 +58,8 @@ def _sdc_run(rank: int, world: int, tmp: str, faulty: int, steps: int, ddp: bool
                 captured[step] = digest(t.state(step))
                 scout.after_capture(step)
             results[step] = scout.last_result
+        else:
+            scout.maybe_check(step)
     manager.maybe_wait()
     verified = manager.find_latest(RecoveryMode.RECOVERY_VERIFIED)
     latest = manager.find_latest()
@@ -82,7 +89,7 @@ def test_persistent_sdc_is_found_at_the_first_check_attributed_and_its_capture_s
     out = run(world, faulty, tmp_path, steps=20, ddp=ddp)
     for rank, o in enumerate(out):
         res = o["results"]
-        assert [res[s][0] for s in (5, 10)] == [ScoutStatus.HEALTHY] * 2
+        assert [accepted(res[s][0]) for s in (5, 10)] == [ScoutStatus.HEALTHY] * 2
         status, faulty_ranks, allowed, reason = res[15]
         assert (status, faulty_ranks, allowed) == (ScoutStatus.SDC, (faulty,), False), reason
         assert f"SDC on ranks [{faulty}]" in reason
@@ -132,6 +139,7 @@ def _straggler(rank: int, world: int, tmp: str) -> dict:
     manager.maybe_wait()
     r = scout.last_result
     out = {
+        "latest": manager.find_latest(),
         "status": r.status,
         "stragglers": r.stragglers,
         "faulty": r.faulty_ranks,
@@ -153,4 +161,5 @@ def test_a_slow_rank_is_a_straggler_with_its_slowdown_and_the_capture_proceeds(
         assert o["rerun"]  # confirmed by a re-run
         (s,) = o["stragglers"]
         assert s.rank == 2 and s.slowdown >= 2.0 and s.replay_s >= 0.1
-        assert o["allowed"] and o["verified"] == 2
+        # The capture proceeds; with six blocks one check does not verify it (a candidate).
+        assert o["allowed"] and o["latest"] == 2 and o["verified"] is None

@@ -90,6 +90,26 @@ def test_cli_train_with_injected_update_fault_and_ablations_rolls_back(tmp_path:
     assert "rollbacks=1" in p.stdout
 
 
+@pytest.mark.slow
+def test_a_local_repair_without_2pc_is_counted_in_the_summary(tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("lm-resiliency")
+    p = _run(
+        str(exe),
+        "train",
+        "--steps",
+        "3",
+        "--faults",
+        "optimizer_exception@0:2",
+        "--mtgs-disable-2pc",
+        "--log-dir",
+        str(tmp_path),
+    )
+    assert p.returncode == 0, p.stderr
+    # Rank 0 redid its update from its shadow: no abort, no rollback, one local repair.
+    assert "aborts=0 retries=0 rollbacks=0 local_repairs=1 (rank 0: 1)" in p.stdout, p.stdout
+    assert "[train] ETTR median=" in p.stdout and "(n=1)" in p.stdout
+
+
 def test_invalid_combinations_exit_2_with_the_reason() -> None:
     p = _run(
         sys.executable,

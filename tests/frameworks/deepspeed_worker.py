@@ -5,16 +5,22 @@
 Real DeepSpeed on CPU: ``DS_ACCELERATOR=cpu``, a Gloo group, ``torch_adam``
 (no fused-Adam build), a WarmupLR scheduler. The loop is the plain DeepSpeed
 loop; batches depend only on (step, rank), so a resumed run sees the batches
-an uninterrupted run sees. ``--durable-every N`` also saves DeepSpeed's own
-checkpoint every N steps (``--durable-dir``), the fallback when GEMINI has no
-step on every rank.
+an uninterrupted run sees. ``--loader`` feeds it from a real data pipeline
+instead: a ``StatefulDataLoader`` over a ``DistributedSampler`` (shuffled),
+whose dataset adds augmentation noise from the global torch RNG at each
+fetch; the loader is captured through ``state=`` and every rank writes the
+sample ids of each step to ``ids-attempt-<a>-rank-<r>.json``.
+``--durable-every N`` also saves DeepSpeed's own checkpoint every N steps
+(``--durable-dir``), the fallback when GEMINI has no step on every rank.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 if "--cuda" not in sys.argv:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -22,6 +28,7 @@ if "--cuda" not in sys.argv:
 import deepspeed
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fw_worker
@@ -31,12 +38,38 @@ from lm_resiliency.distributed import init_process_group
 from lm_resiliency.integrations.deepspeed import durable_loader
 
 
+class NoisyPoints(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """Fixed points; each fetch adds noise from the global RNG (a random augmentation)."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x, self.y = torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i] + 0.1 * torch.randn(16), self.y[i], i
+
+
+def data_loader(rank: int, world: int, steps: int) -> Any:
+    """A ``StatefulDataLoader``: 4 samples per rank and step, one shuffled epoch of ``steps``."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = NoisyPoints(4 * world * steps)
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=3)
+    # Its own generator: creating the iterator draws no number from the global RNG.
+    gen = torch.Generator().manual_seed(5)
+    return StatefulDataLoader(data, batch_size=4, sampler=sampler, generator=gen)
+
+
 def main() -> int:
     p = fw_worker.parser()
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--durable-dir", type=Path, default=None)
     p.add_argument("--durable-every", type=int, default=0)
+    p.add_argument("--loader", action="store_true", help="a real DataLoader (see the doc)")
     args = p.parse_args()
     backend = "nccl" if args.cuda else "gloo"
     dev = fw_worker.device(args)
@@ -68,15 +101,30 @@ def main() -> int:
         model=model, model_parameters=model.parameters(), config=ds_config
     )
     fallback = None if args.durable_dir is None else durable_loader(engine, args.durable_dir)
+    loader = data_loader(rank, dist.get_world_size(), args.steps) if args.loader else None
+    torch.manual_seed(1 + rank)  # the augmentation noise differs per rank
     handle = enable_resiliency(
-        engine, interval=args.interval, config=fw_worker.config(args, rank), load_fallback=fallback
+        engine,
+        interval=args.interval,
+        config=fw_worker.config(args, rank),
+        load_fallback=fallback,
+        state=None if loader is None else {"loader": loader},
     )
     fw_worker.report_recovery(args, rank, handle, global_steps=int(engine.global_steps))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    batches = None if loader is None else iter(loader)
+    consumed: list[list[int]] = []
     for step in range(handle.start_step + 1, args.steps + 1):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(4, 16, generator=g).to(dev, dtype)
-        y = torch.randn(4, 4, generator=g).to(dev)
+        if batches is None:
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(4, 16, generator=g).to(dev, dtype)
+            y = torch.randn(4, 4, generator=g).to(dev)
+        else:
+            x, y, ids = next(batches)
+            x, y = x.to(dev, dtype), y.to(dev)
+            consumed.append([step, *ids.tolist()])
+            ids_file = args.run_dir / f"ids-attempt-{fw_worker.attempt()}-rank-{rank}.json"
+            ids_file.write_text(json.dumps(consumed))
         loss = torch.nn.functional.mse_loss(engine(x).float(), y)
         engine.backward(loss)
         engine.step()

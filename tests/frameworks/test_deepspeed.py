@@ -13,12 +13,19 @@ The fallback case captures nothing with GEMINI (interval beyond the run) and
 saves DeepSpeed checkpoints every 4 steps: the restarted job resumes from
 DeepSpeed's ``load_checkpoint`` without user code and also finishes identical.
 
+The data-loader case feeds the loop from a real ``StatefulDataLoader`` (a
+shuffled ``DistributedSampler``, augmentation noise from the global RNG) given
+to ``state=``: the capture must take its position and the RNGs at the
+optimizer step, before the loop fetches the next batch, so the resumed run
+trains on exactly the samples a fault-free run trains on.
+
 Skipped where DeepSpeed is not installed (``make extras`` installs it).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -123,4 +130,38 @@ def test_durable_fallback_resumes_from_deepspeeds_checkpoint(jobs: _Jobs) -> Non
     compared = assert_bit_identical(
         fallback, jobs.reference(stage), skip=lambda rank, key: rank == 1 and "buffer." in key
     )
+    assert compared >= 2 * (4 + 6 + 2), compared
+
+
+def _consumed(jobs: _Jobs, key: str, job: Job, rank: int) -> list[list[int]]:
+    """``[step, *sample ids]`` per step as the run kept them: a restarted generation's
+    steps replace those the killed one took after the step it resumed from."""
+    run_dir = jobs.tmp / key / key.split("-", 1)[1]
+    rows: list[list[int]] = []
+    for attempt in sorted(a for a, r in job.reports if r == rank):
+        start = job.reports[(attempt, rank)]["start_step"]
+        rows = [row for row in rows if row[0] <= start]
+        rows += json.loads((run_dir / f"ids-attempt-{attempt}-rank-{rank}.json").read_text())
+    return rows
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchdata") is None, reason="needs torchdata's StatefulDataLoader"
+)
+def test_a_real_data_loader_resumes_at_the_batch_after_the_captured_step(jobs: _Jobs) -> None:
+    stage = 1  # the capture point is the same for every stage
+    loop = ("--loader", "--interval", str(_INTERVAL))
+    crash = jobs.get("loader_crash", stage, *loop, "--fault-step", str(_FAULT_STEP), restarts=1)
+    reference = jobs.get("loader_reference", stage, *loop)
+    for rank in (0, 1):
+        assert crash.reports[(1, rank)]["start_step"] == 6, crash.run.describe()
+        resumed = _consumed(jobs, f"zero{stage}-loader_crash", crash, rank)
+        fault_free = _consumed(jobs, f"zero{stage}-loader_reference", reference, rank)
+        assert [row[0] for row in fault_free] == list(range(1, _STEPS + 1))
+        # Step 7 trains on the batch after step 6's, not one batch further on.
+        assert resumed == fault_free, (rank, resumed, fault_free)
+        ids = [i for row in fault_free for i in row[1:]]
+        assert len(set(ids)) == len(ids) == 4 * _STEPS  # one epoch, no sample twice
+    # The augmentation noise drawn at each fetch is identical too (the global RNG).
+    compared = assert_bit_identical(crash, reference)
     assert compared >= 2 * (4 + 6 + 2), compared

@@ -316,3 +316,14 @@ def test_an_unwritable_disk_folder_is_refused_at_enable(read_only_dir: Path, sub
     with enable_resiliency(model, opt, interval=2, config=quiet) as resiliency:
         _train(model, [opt], 4)
         assert resiliency.manager.find_latest() == 4
+
+
+def test_a_fallback_that_finds_nothing_reports_a_fresh_start_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = InMemoryCkptConfig(disk_folder=tmp_path, run_id="fresh-fallback")
+    with enable_resiliency(model, opt, config=config, load_fallback=lambda: None) as handle:
+        info = handle.last_recovery
+        assert (info.step, info.source, info.sources) == (None, "fresh", ("fresh",))

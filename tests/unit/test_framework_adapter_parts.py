@@ -27,6 +27,9 @@ class Events:
     def before_step(self) -> None:
         self.log.append("before")
 
+    def optimizer_done(self) -> None:
+        self.log.append("done")
+
     def after_step(self) -> None:
         self.log.append("after")
 
@@ -53,9 +56,11 @@ def test_after_step_waits_for_the_next_forward_and_counts_every_group_call() -> 
     ev = Events()
     unbind = bind_deferred_steps([opt], 2, [model], ev)
     _framework_step(model, opt, ev.log)
-    assert ev.log == ["before", "bookkeeping"]  # not complete before the bookkeeping
+    # The optimizer update is done before the bookkeeping (the RNGs and the data position
+    # are taken there); the step is not complete before the bookkeeping.
+    assert ev.log == ["before", "done", "bookkeeping"]
     _framework_step(model, opt, ev.log)  # its forward completes the previous step
-    assert ev.log == ["before", "bookkeeping", "after", "before", "bookkeeping"]
+    assert ev.log == ["before", "done", "bookkeeping", "after", "before", "done", "bookkeeping"]
     unbind()  # the last step of a run is delivered when the hooks go
     assert ev.log[-1] == "after"
     _framework_step(model, opt, ev.log)
@@ -69,7 +74,7 @@ def test_a_step_without_a_forward_in_between_is_still_completed_first() -> None:
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
     opt.step()
-    assert ev.log == ["before", "after", "before"]
+    assert ev.log == ["before", "done", "after", "before", "done"]
     unbind()
 
 

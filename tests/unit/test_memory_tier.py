@@ -66,6 +66,13 @@ def _step_of(path: Path) -> int:
     return struct.unpack("<q", path.read_bytes()[24:32])[0]
 
 
+_COMMITTED = 2
+
+
+def _state_word(path: Path) -> int:
+    return struct.unpack("<I", path.read_bytes()[12:16])[0]
+
+
 def _file_with(folder: Path, step: int) -> Path:
     return next(p for p in _slots(folder) if _step_of(p) == step)
 
@@ -85,20 +92,84 @@ def test_a_new_manager_reattaches_the_committed_slots_and_restores_from_memory(
         assert _same(m.load(10), _state(10))
 
 
-def test_hand_over_takes_the_file_out_and_the_next_capture_makes_a_new_one(
+def test_hand_over_keeps_the_step_in_a_fresh_file_that_the_next_capture_rotates(
     _isolated_memory_folder: Path,
 ) -> None:
     _crash_after((10,))
     with InMemoryCheckpointManager(_cfg()) as m:
+        (handed,) = _slots(_isolated_memory_folder)
+        handed_inode = handed.stat().st_ino
         state = m.load(m.find_latest())
-        assert len(_slots(_isolated_memory_folder)) == 1  # attachable until it was applied
         m.commit_recovery()
-        assert _slots(_isolated_memory_folder) == []  # handed over: no name refers to it
+        m.maybe_wait()  # the copy back into own memory is complete
+        m.wait_persisted()  # and committed
+        (kept,) = _slots(_isolated_memory_folder)
+        assert kept.stat().st_ino != handed_inode  # a new file: the old one is the state now
+        assert (_step_of(kept), _state_word(kept)) == (10, _COMMITTED)
         assert _same(state, _state(10))  # the caller's tensors stay valid
+        assert [s.step for s in m.slots().values()] == [10, None]
         m.save(_state(15), 15)
         m.maybe_wait()
-        assert [_step_of(p) for p in _slots(_isolated_memory_folder)] == [15]
+        m.wait_persisted()
+        assert sorted(_step_of(p) for p in _slots(_isolated_memory_folder)) == [10, 15]
+        assert {r: s.step for r, s in m.slots().items()} == {"own_current": 15, "own_previous": 10}
         assert _same(state, _state(10))  # and nothing wrote into them
+
+
+def test_after_commit_recovery_own_memory_holds_the_recovered_bytes_that_a_step_leaves_alone(
+    _isolated_memory_folder: Path,
+) -> None:
+    """Adam's state aliases the handed-over arena; the kept slot is a copy of it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 1024)  # 2 MiB weights: restored as views of the arena
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    first = InMemoryCheckpointManager(_cfg())
+    for step in (5, 10):
+        model(torch.randn(8, 512)).sum().backward()
+        first.maybe_wait()
+        opt.step()
+        opt.zero_grad()
+        first.save({"model": model.state_dict(), "optim": opt.state_dict()}, step)
+    first.maybe_wait()
+    reference = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    first.close(finished=False)  # a crash: both slots stay
+
+    with InMemoryCheckpointManager(_cfg()) as m:
+        assert m.find_latest() == 10
+        state = m.load(10)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        live = opt.state_dict()["state"][0]["exp_avg"]
+        m.commit_recovery()
+        model(torch.randn(8, 512)).sum().backward()
+        m.maybe_wait()  # before the step changes the handed-over arena
+        opt.step()
+        assert not torch.equal(live, reference["exp_avg"])  # the step did write the arena
+        m.wait_persisted()
+        assert sorted(_step_of(p) for p in _slots(_isolated_memory_folder)) == [5, 10]
+        assert m.stats.kept_copy_s and m.stats.kept_wait_s and not m.stats.wait_s
+        m.close(finished=False)  # the whole job dies before its next capture
+
+    with InMemoryCheckpointManager(_cfg()) as again:
+        assert again.find_latest() == 10
+        kept = again.load(10)
+        assert again.last_recovery.sources == ["own memory"]
+        assert _same(kept["optim"]["state"][0], reference)
+        assert _same(kept["model"], weights)
+
+
+def test_without_a_memory_folder_nothing_is_kept_after_the_hand_over(tmp_path: Path) -> None:
+    m = InMemoryCheckpointManager(_cfg(memory_folder=None))
+    m.save(_state(10), 10)
+    m.maybe_wait()
+    state = m.load(10)
+    m.commit_recovery()  # process memory dies with the process: no copy is made
+    m.maybe_wait()
+    assert not m.survives_process and not m.stats.kept_copy_s
+    assert [s.step for s in m.slots().values()] == [None, None]
+    assert _same(state, _state(10))
+    m.close()
 
 
 def test_files_are_private_and_the_successful_close_removes_them(
@@ -392,3 +463,27 @@ def test_a_restarted_job_that_recovers_nothing_warns_without_any_logging_setup(
     assert done.returncode == 0, done.stderr
     (line,) = [ln for ln in done.stderr.splitlines() if "GEMINI recovers nothing" in ln]
     assert "no step is available on every rank" in line and "rank 0: none" in line
+
+
+def test_a_state_changed_before_commit_recovery_is_not_kept_as_the_recovered_step(
+    _isolated_memory_folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    param = torch.nn.Parameter(torch.randn(1 << 19))  # 2 MiB: Adam's state aliases the arena
+    opt = torch.optim.Adam([param])
+    first = InMemoryCheckpointManager(_cfg())
+    for step in (5, 10):
+        param.grad = torch.randn_like(param)
+        opt.step()
+        first.save({"optim": opt.state_dict()}, step)
+        first.maybe_wait()
+    first.close(finished=False)
+    with InMemoryCheckpointManager(_cfg()) as m, caplog.at_level(logging.WARNING):
+        opt.load_state_dict(m.load(10)["optim"])
+        opt.step()  # before commit_recovery(): the handed-over bytes are no longer step 10
+        m.commit_recovery()
+        m.maybe_wait()
+        m.wait_persisted()
+        committed = [p for p in _slots(_isolated_memory_folder) if _state_word(p) == _COMMITTED]
+        assert [_step_of(p) for p in committed] == [5]  # the copy's file stays, uncommitted
+        assert [s.step for s in m.slots().values()] == [None, 5]
+        assert "changed before commit_recovery()" in caplog.text

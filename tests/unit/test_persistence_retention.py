@@ -42,11 +42,28 @@ def _temps(store: ShardStore) -> list[Path]:
     return sorted(store.topology_path.rglob(".*.tmp"))
 
 
+def test_the_oldest_candidate_newer_than_the_verified_step_survives(tmp_path: Path) -> None:
+    # SCOUT's K-recipe rule verifies candidates oldest first, a rotation after their capture:
+    # the next one it can promote must still be there when it does.
+    store = _store(tmp_path)
+    _write(store, 10, trust=TrustStatus.RECOVERY_VERIFIED)
+    for step in (20, 30, 40, 50):
+        _write(store, step, trust=TrustStatus.CANDIDATE)
+    assert store.steps(0) == [10, 20, 40, 50]
+    store.sidecar.mark_verified(20)  # promoted: 30 is gone, 40 is now the oldest candidate
+    _write(store, 60, trust=TrustStatus.CANDIDATE)
+    assert store.steps(0) == [20, 40, 50, 60]
+    store.sidecar.mark_rejected(40, "SDC")  # a rejected candidate is no longer protected
+    _write(store, 70, trust=TrustStatus.CANDIDATE)
+    assert store.steps(0) == [20, 50, 60, 70]
+
+
 def test_plan_keeps_newest_k_and_newest_verified() -> None:
     assert plan_retention([1, 2, 3, 4, 5], keep=2, verified_step=None) == [1, 2, 3]
     assert plan_retention([1, 2, 3, 4, 5], keep=2, verified_step=2) == [1, 3]
     assert plan_retention([5, 1, 3], keep=3, verified_step=4) == []
     assert plan_retention([1, 2, 3], keep=2, verified_step=3) == [1]
+    assert plan_retention([1, 2, 3, 4, 5], keep=2, verified_step=1, candidate_step=2) == [3]
 
 
 @pytest.mark.parametrize("recycle", [True, False])
@@ -97,11 +114,12 @@ def test_shard_written_as_verified_survives_without_a_sidecar_mark(tmp_path: Pat
     _write(store, 2, owner=8, trust=TrustStatus.RECOVERY_VERIFIED)
     for step in range(3, 6):
         _write(store, step, owner=8, trust=TrustStatus.CANDIDATE)
-    assert store.steps(8) == [2, 4, 5]
+    # 3 stays: the oldest candidate newer than the verified 2 (the next SCOUT can promote).
+    assert store.steps(8) == [2, 3, 4, 5]
     # A new store (restart) learns the trust from the file header.
     again = _store(tmp_path)
     _write(again, 6, owner=8)
-    assert again.steps(8) == [2, 5, 6]
+    assert again.steps(8) == [2, 3, 5, 6]
     assert again.read(owner_rank=8, step=2).trust is TrustStatus.RECOVERY_VERIFIED
 
 

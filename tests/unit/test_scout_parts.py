@@ -4,6 +4,7 @@ verdicts, stragglers, certification rules, the decision table, the compute fault
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -271,7 +272,7 @@ def test_dense_certification_is_immediate_and_sdc_latches_until_verified_recover
     assert c.captured(10) is TrustStatus.RECOVERY_VERIFIED
     c.observe(20, corrupt=True, reason="x", cycle_complete=False)
     assert c.latched is not None and c.captured(30) is TrustStatus.UNVERIFIED
-    c.recovered(verified=True)
+    c.recovered(10, verified=True)
     assert c.latched is None
     assert c.captured(40) is TrustStatus.RECOVERY_VERIFIED
     assert sink.calls == [
@@ -279,6 +280,32 @@ def test_dense_certification_is_immediate_and_sdc_latches_until_verified_recover
         ("verdict", 20),
         ("clear",),
         ("certify", 40, "recovery_verified", True),
+    ]
+
+
+def test_dense_k_recipes_stay_candidates_until_every_recipe_is_checked_clean_again() -> None:
+    sink = _Sink()
+    c = Certifier(sink, dynamic=False, persist=True)
+    assert c.captured(5, frontier=-math.inf) is TrustStatus.CANDIDATE
+    assert c.captured(10, frontier=-math.inf) is TrustStatus.CANDIDATE
+    c.observe(15, corrupt=False, reason="", cycle_complete=False, frontier=5)
+    assert (c.pending, c.verified) == ([10], 5)
+    assert c.captured(15, frontier=5) is TrustStatus.CANDIDATE
+    c.observe(20, corrupt=False, reason="", cycle_complete=False, frontier=12)
+    assert (c.pending, c.verified) == ([15], 10)
+    assert c.captured(20, frontier=12) is TrustStatus.CANDIDATE
+    c.observe(25, corrupt=True, reason="sdc", cycle_complete=False, frontier=12)
+    assert c.rejected == [(15, "sdc"), (20, "sdc")] and c.pending == [] and c.verified == 10
+    assert sink.calls == [
+        ("certify", 5, "candidate", True),
+        ("certify", 10, "candidate", True),
+        ("certify", 5, "recovery_verified", False),
+        ("certify", 15, "candidate", True),
+        ("certify", 10, "recovery_verified", False),
+        ("certify", 20, "candidate", True),
+        ("reject", 15),
+        ("reject", 20),
+        ("verdict", 25),
     ]
 
 
@@ -371,3 +398,79 @@ def test_a_disabled_scout_permits_every_capture_and_an_enabled_one_needs_a_proce
         Scout(ScoutConfig(), model)
     with pytest.raises(ConfigError, match="interval=0 must be a positive int"):
         Scout(ScoutConfig(enable=False), model, interval=0)
+
+
+def _check_reports(step: int, block: int, sig: int, digests: list[int]) -> list[RankReport]:
+    """Every rank's report of a check that replayed ``block`` (digests per rank)."""
+    return [
+        RankReport(
+            step,
+            step,
+            1,
+            False,
+            (
+                ClassReport(RunState.OK, block, 0, sig, d, 0.001),
+                ClassReport(RunState.OK, block, 0, 0, 7, 0.0),
+                ClassReport(),
+            ),
+        )
+        for d in digests
+    ]
+
+
+def _credit(cov: object, step: int, block: int, sig: int, digests: list[int]) -> None:
+    from lm_resiliency.detection.assess import assess
+    from lm_resiliency.detection.coverage import Coverage
+
+    assert isinstance(cov, Coverage)
+    reports = _check_reports(step, block, sig, digests)
+    a = assess(reports, cov.groups, StragglerRule(5.0, 0.005, 2.0))
+    cov.credit(step, a, reports, {"dense", "optimizer"})
+
+
+def test_coverage_groups_blocks_by_signature_and_needs_every_recipe_clean_since() -> None:
+    from lm_resiliency.detection.blocks import partition
+    from lm_resiliency.detection.coverage import Coverage
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3))
+    disabled: set[int] = set()
+    cov = Coverage(
+        partition(model),
+        ComparisonGroups.ddp(3),
+        classes={"dense", "optimizer", "dynamic"},
+        disabled=disabled,
+    )
+    assert cov.frontier() == -math.inf and cov.recipes() == 3  # nothing seen: 3 unknowns
+    _credit(cov, 5, 0, 11, [1, 1, 1])
+    _credit(cov, 10, 1, 11, [2, 2, 2])  # the same signature as block 0: one recipe
+    assert cov.recipes() == 2 and cov.frontier() == -math.inf  # block 2 never checked
+    assert cov.unchecked() == ["2"]
+    _credit(cov, 15, 2, 22, [3, 3, 3])
+    assert cov.frontier() == 10  # blocks 0 and 1 share the recipe last clean at 10
+    _credit(cov, 20, 0, 11, [4, 4, 9])  # a mismatch: no credit
+    assert cov.frontier() == 10
+    _credit(cov, 25, 0, 11, [5, 5, 5])
+    assert cov.frontier() == 15
+    disabled.add(1)  # a block that can never be checked: captures stay candidates
+    assert cov.frontier() == -math.inf and "1 (disabled: never checked)" in cov.unchecked()
+    disabled.clear()
+    cov.reset()  # after a recovery nothing is covered, but signatures stay known
+    assert cov.frontier() == -math.inf and cov.recipes() == 2
+
+
+def test_coverage_of_a_single_signature_is_the_checks_own_step() -> None:
+    from lm_resiliency.detection.blocks import partition
+    from lm_resiliency.detection.coverage import Coverage
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    cov = Coverage(
+        partition(model), ComparisonGroups.ddp(2), classes={"dense", "optimizer"}, disabled=set()
+    )
+    _credit(cov, 5, 0, 11, [1, 1])
+    _credit(cov, 10, 1, 11, [1, 1])
+    assert cov.frontier() == 10
+    _credit(cov, 15, 0, 11, [1, 1])
+    assert cov.frontier() == 15  # K = 1: a capture at the check's step is verified at once
+    # Neither dense nor optimizer enabled: nothing to cover.
+    off = Coverage(partition(model), ComparisonGroups.ddp(2), classes={"dynamic"}, disabled=set())
+    assert off.frontier() == math.inf

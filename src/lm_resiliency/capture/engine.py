@@ -29,6 +29,14 @@ computes one CRC-32C per chunk of the arena and *seals* the slot (a slot on
 the memory filesystem writes its commit record with them), all off the
 training thread.
 
+After a recovery from own memory, :meth:`CaptureEngine.hand_over` hands the
+recovered slot to the caller (zero-copy: the live state aliases its arena) and,
+when the slots outlive the process, *re-protects* the step: the worker copies
+the handed-over arena into a fresh own slot and commits it for the same step,
+timeline and document with the checksums it was recorded with (recomputed on
+the copy and compared), without the ``after_capture`` hook (no replication,
+no flush). ``wait_captured`` waits for that copy as for a capture's.
+
 Errors of the worker's copy are recorded and raised as :class:`CaptureError`
 (naming the step) on the caller's next call; they are never swallowed. A
 worker that stops altogether (anything escaping its loop) never leaves a
@@ -78,6 +86,23 @@ class CaptureStats:
     allocations: int = 0
     relayouts: int = 0
     failures: int = 0
+    kept_copy_s: list[float] = field(default_factory=list)
+    """Worker seconds allocating a slot for and copying each handed-over step back into own
+    memory (:meth:`CaptureEngine.hand_over`)."""
+    kept_wait_s: list[float] = field(default_factory=list)
+    """Caller seconds ``wait_captured`` waited for such a copy (not in ``wait_s``)."""
+
+
+@dataclass
+class _Keep:
+    """A handed-over own slot to copy back into own memory (see ``CaptureEngine.hand_over``)."""
+
+    source: torch.Tensor | None
+    """The handed-over arena (the live state aliases it); dropped once copied."""
+    document: dict[str, Any]
+    timeline: str | None
+    crcs: tuple[int, ...] | None
+    """The checksums the slot was recorded with; the copy is committed only if it matches."""
 
 
 @dataclass
@@ -93,6 +118,8 @@ class _Cycle:
     captured: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    keep: _Keep | None = None
+    """Set for the re-protection of a handed-over slot instead of a capture."""
 
 
 @dataclass(frozen=True)
@@ -234,11 +261,7 @@ class CaptureEngine:
         self._submit(_Cycle(step, slot, layout, encoded, ready, t0))
 
     def _submit(self, cycle: _Cycle) -> None:
-        with self._cv:
-            self._raise_if_dead()
-            self._cycle = cycle
-            self._jobs.append(cycle)
-            self._cv.notify()
+        self._enqueue(cycle)
         self.stats.captures += 1
         self.stats.save_s.append(time.perf_counter() - cycle.start)
 
@@ -253,7 +276,8 @@ class CaptureEngine:
             return
         t0 = time.perf_counter()
         self._wait_for(cycle.captured)
-        self.stats.wait_s.append(time.perf_counter() - t0)
+        waited = self.stats.kept_wait_s if cycle.keep is not None else self.stats.wait_s
+        waited.append(time.perf_counter() - t0)
         self._raise_pending()
         self._raise_if_dead()
 
@@ -271,6 +295,32 @@ class CaptureEngine:
         ``own_current``. Call before the first capture.
         """
         self.slots = adopt_into(self.slots, adopted, owner_rank=self.rank)
+
+    def hand_over(self, consume: Callable[[], object], *, keep: bool) -> None:
+        """Run ``consume`` (a recovery's hand-over of an own slot) and, with ``keep``,
+        re-protect the handed-over step in own memory in the background.
+
+        ``consume`` is :meth:`Slot.take` of one of this engine's complete slots
+        (raises ``LookupError`` when already taken). With ``keep`` (the slots
+        outlive the process) the worker copies the handed-over arena into that
+        slot's fresh arena and commits it for the same step, timeline and
+        document once its CRC-32C match the recorded ones; no ``after_capture``
+        (the peer already holds the step). The slot becomes ``own_current``, so
+        the next capture turns it into ``own_previous``. ``wait_captured``
+        waits for the copy: call it before the live state changes.
+        """
+        self._finish_previous()
+        before = {id(s): (s, s.step, s.timeline, s.crcs) for s in self.slots if s.complete}
+        result = consume()
+        taken = [v for v in before.values() if not v[0].complete]
+        if not keep or len(taken) != 1 or not isinstance(result, tuple) or len(result) != 3:
+            return
+        slot, step, timeline, crcs = taken[0]
+        layout, arena, document = result
+        assert step is not None
+        self.slots = [slot, *(s for s in self.slots if s is not slot)]
+        keep_it = _Keep(arena, document, timeline, crcs)
+        self._enqueue(_Cycle(step, slot, layout, None, {}, time.perf_counter(), keep=keep_it))
 
     def complete_slots(self) -> list[Slot]:
         """The complete own slots, newest step first."""
@@ -314,6 +364,13 @@ class CaptureEngine:
             self._raise_if_dead()
 
     # ----------------------------------------------------------------- internals
+    def _enqueue(self, cycle: _Cycle) -> None:
+        with self._cv:
+            self._raise_if_dead()
+            self._cycle = cycle
+            self._jobs.append(cycle)
+            self._cv.notify()
+
     def _finish_previous(self, raise_errors: bool = True) -> None:
         cycle = self._cycle
         if cycle is not None:
@@ -434,7 +491,10 @@ class CaptureEngine:
                     if not self._jobs:
                         return
                     cycle = self._running = self._jobs.pop(0)
-                self._run_cycle(cycle)
+                if cycle.keep is not None:
+                    self._run_keep(cycle, cycle.keep)
+                else:
+                    self._run_cycle(cycle)
                 self._running = None
         except BaseException as exc:  # the thread ends: nobody may be left waiting on it
             self._die(exc)
@@ -503,6 +563,44 @@ class CaptureEngine:
         finally:
             cycle.captured.set()
             cycle.finished.set()
+
+    def _run_keep(self, cycle: _Cycle, keep: _Keep) -> None:
+        """Worker: copy a handed-over arena into ``cycle.slot`` and commit it as recorded."""
+        slot = cycle.slot
+        assert cycle.layout is not None and keep.source is not None
+        try:
+            t0 = time.perf_counter()
+            if slot.prepare(cycle.layout, pin=self.pin_memory):
+                self.stats.allocations += 1
+            assert slot.arena is not None
+            self._copy_host([(slot.arena, keep.source)])
+            keep.source = None  # the live state keeps the handed-over arena alive, not us
+            self.stats.kept_copy_s.append(time.perf_counter() - t0)
+            cycle.captured.set()  # the live state may change now: the copy is ours
+            crcs = arena_crcs(slot.arena)
+            if keep.crcs is not None and crcs != keep.crcs:
+                log.warning(
+                    "rank %d: the recovered state of step %d changed before commit_recovery(); "
+                    "it is not kept in own memory (its peer's replica and disk still hold it)",
+                    self.rank,
+                    cycle.step,
+                )
+                slot.invalidate()
+            else:
+                slot.timeline = keep.timeline
+                slot.publish(cycle.step, keep.document, self.rank, crcs=crcs)
+        except BaseException as exc:  # recorded and raised on the caller's next call
+            what = f"keeping recovered step {cycle.step} in own memory"
+            if isinstance(exc, CaptureError):  # already says what failed (MemoryFolderFull)
+                add_note(exc, f"(rank {self.rank}: {what})")
+                err: BaseException = exc
+            else:
+                err = CaptureError(f"rank {self.rank}: {what} failed: {exc!r}")
+                err.__cause__ = exc
+            self._fail(cycle, err)
+            return
+        cycle.captured.set()
+        cycle.finished.set()
 
     def _fail(self, cycle: _Cycle, err: BaseException) -> None:
         """Worker: the cycle failed; its slot is never exposed, ``err`` is raised next call."""

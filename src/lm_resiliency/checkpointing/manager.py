@@ -276,9 +276,9 @@ class InMemoryCheckpointManager:
         ``NoConsistentStep``.
 
         Restoring from own memory copies nothing: the returned tensors are
-        views of the slot's arena. The slot is handed over (it leaves the memory
-        folder and is empty until the next capture; the step stays recoverable
-        from the peer's replica and from disk where persisted) only at
+        views of the slot's arena. The slot is handed over (its file leaves the
+        memory folder; a fresh own copy of the step is committed there in the
+        background, which ``maybe_wait`` waits for) only at
         :meth:`commit_recovery`, which ``save`` and ``maybe_wait`` call too.
         Until then it stays committed: a process that dies while applying the
         state (or that raises first) leaves it for the restarted process.
@@ -303,11 +303,14 @@ class InMemoryCheckpointManager:
         Call after the recovered state is in the model and optimizer (the front
         door calls it once the adapter applied it; ``save`` and ``maybe_wait``
         call it too). Idempotent; does nothing when ``load`` used no own slot.
+        With a memory folder the step is copied back into a fresh own slot in
+        the background (no replication, no flush); ``maybe_wait`` waits for it.
         """
         handovers, self._handovers = self._handovers, []
         for consume in handovers:
             with contextlib.suppress(LookupError):  # already taken, or dropped since
-                consume()
+                # Slots that outlive the process get a fresh own copy of the step (background).
+                self._engine.hand_over(consume, keep=self.survives_process)
 
     def drop_memory(self) -> None:
         """Lose every in-memory slot, files included, as a replacement node would (drills)."""

@@ -22,7 +22,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -58,6 +58,9 @@ class RecoveryReport:
     phases_s: dict[str, float] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     """Every source that failed validation on the way, with its rank and reason."""
+    not_own_memory: list[str] = field(default_factory=list)
+    """For every rank not served from own memory: why (its own slot of the step failed a
+    check, with the reason, or own memory holds no such step, with the steps it holds)."""
 
 
 @dataclass
@@ -251,8 +254,9 @@ class Restorer:
                 continue
             phases = {"agree": t_agree, "fetch": time.perf_counter() - t1, **got.phases_s}
             labels = [src.label for src in got.sources]
+            reasons = not_own_memory(s, got.sources, got.problems, reports)
             report = RecoveryReport(
-                s, labels, got.bytes_moved, failed, phases, problems + got.problems
+                s, labels, got.bytes_moved, failed, phases, problems + got.problems, reasons
             )
             self._record(report, time.perf_counter() - t0)
             return Outcome(got.state, report, got)
@@ -293,6 +297,8 @@ class Restorer:
         where = "; ".join(f"{label} on ranks {ranks}" for label, ranks in by_source.items())
         if report.step is not None:
             line = f"GEMINI recovered step {report.step} ({where}) in {seconds:.3f} s"
+            if report.not_own_memory:
+                line += "; not from own memory: " + "; ".join(report.not_own_memory)
         else:
             line = (
                 f"GEMINI recovered no step; load_fallback() was used ({where}) in {seconds:.3f} s"
@@ -327,3 +333,27 @@ class Restorer:
             newest,
             other,
         )
+
+
+def not_own_memory(
+    step: int, sources: Sequence[Source], problems: Sequence[str], reports: Sequence[Report]
+) -> list[str]:
+    """For every rank whose final source of ``step`` is not its own memory: why not.
+
+    Either its own slot of ``step`` failed a check while loading (the reason from
+    ``problems``) or its own memory offered no such step (the steps it offered: a slot
+    refused at re-attach, of another timeline, or handed over by an earlier recovery
+    of this run is not offered).
+    """
+    lines = []
+    for rank, source in enumerate(sources):
+        if source is Source.OWN_MEMORY:
+            continue
+        prefix = f"rank {rank} {Source.OWN_MEMORY.label}: "
+        failed = [p.removeprefix(prefix) for p in problems if p.startswith(prefix)]
+        if failed:
+            lines.append(f"rank {rank}: its own slot of step {step} failed: {failed[-1]}")
+        else:
+            held = sorted(reports[rank].own_memory)
+            lines.append(f"rank {rank}: own memory has no step {step} (it holds {held or 'none'})")
+    return lines

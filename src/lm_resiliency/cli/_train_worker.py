@@ -106,7 +106,7 @@ def _train(
     meter = ThroughputMeter(warmup_steps=1)
     steps = int(run["steps"])
     losses: list[float] = []
-    aborts = retries = rollbacks = 0
+    aborts = retries = rollbacks = repairs = 0
     meter.start()
     if run["mode"] == "baseline":
         for step in range(1, steps + 1):
@@ -147,6 +147,7 @@ def _train(
                 losses.append(float(result.loss))
             if rank == 0 and result.aborts:
                 print(_describe(result, steps), flush=True)
+        repairs = txn.local_repairs
         txn.close()
         events.log("train.collectives", **txn.collectives)
     return {
@@ -155,6 +156,7 @@ def _train(
         "aborts": aborts,
         "retries": retries,
         "rollbacks": rollbacks,
+        "local_repairs": repairs,
         "tokens_per_s": meter.tokens_per_s,
     }
 

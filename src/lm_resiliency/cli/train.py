@@ -2,9 +2,10 @@
 
 Starts ``--nproc`` ranks through torchrun's elastic launcher (c10d rendezvous
 on 127.0.0.1, a free port, Gloo on CPU), trains the tiny GPT model on
-synthetic tokens, and prints the aborts, retries, rollbacks, the ETTR of each
-abort (effective time to recovery: from detecting the bad step to being ready
-to run it again) and the throughput::
+synthetic tokens, and prints the aborts, retries, rollbacks, the local repairs
+(without 2PC a rank redoes a failed update from its shadow, counted over every
+rank), rank 0's ETTR of each abort or repair (effective time to recovery: from
+detecting the bad step to being ready to run it again) and the throughput::
 
     python -m mtgs.trainer --mode baseline --steps 5
     python -m mtgs.trainer --mode mtgs --steps 5 --mtgs-force-abort-step 2
@@ -299,9 +300,14 @@ def _summarize(
         else "n/a (no recovery)"
     )
     loss = r0["losses"][-1] if r0["losses"] else float("nan")
+    # A local repair (no 2PC: one rank redoes its update from its shadow) happens on one
+    # rank only, so it is counted over every rank; its ETTR is that rank's.
+    repairs = {r: int(res.get("local_repairs", 0)) for r, res in sorted(results.items())}
+    where = ", ".join(f"rank {r}: {n}" for r, n in repairs.items() if n)
     print(
         f"[train] committed steps={args.steps} aborts={r0.get('aborts', 0)} "
-        f"retries={r0.get('retries', 0)} rollbacks={r0.get('rollbacks', 0)}"
+        f"retries={r0.get('retries', 0)} rollbacks={r0.get('rollbacks', 0)} "
+        f"local_repairs={sum(repairs.values())}" + (f" ({where})" if where else "")
     )
     print(f"[train] ETTR {ettr}")
     print(

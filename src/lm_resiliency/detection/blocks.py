@@ -88,6 +88,16 @@ def partition(model: nn.Module) -> list[Block]:
     ]
 
 
+def static_key(block: Block) -> str:
+    """The block's module type and parameter shapes, dtypes and ``requires_grad`` as text.
+
+    Identical layers have equal keys; with the call signature it names the block's
+    certification recipe (:mod:`~lm_resiliency.detection.coverage`).
+    """
+    params = ";".join(f"{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for p in block.params)
+    return f"{type(block.module).__qualname__}|{params}"
+
+
 def structure_fingerprint(blocks: list[Block]) -> int:
     """64-bit fingerprint of the blocks' parameter shapes and dtypes (peers must agree)."""
     h = hashlib.blake2b(digest_size=8)

@@ -3,13 +3,16 @@
 The contract's rules, applied identically on every rank (each rank decides from
 the same all-gathered reports, so decisions are job-wide):
 
-* dense catalogs (K = 1): a capture taken after an accepted check is
-  ``RECOVERY_VERIFIED`` at once;
+* dense catalogs: a rotation over blocks of different signatures is K recipes
+  (:mod:`~lm_resiliency.detection.coverage`). A capture is a ``CANDIDATE``
+  (persisted, excluded from verified recovery) until every recipe was checked
+  clean at or after its step; then it is ``RECOVERY_VERIFIED``. With one
+  signature, or every recipe replayed at the check, that is at once (K = 1);
 * dynamic catalogs: the capture after the first complete accepted cycle is the
-  ``CANDIDATE`` (persisted, and the caller's durable-candidate callback runs);
-  after the next complete accepted cycle that candidate becomes
-  ``RECOVERY_VERIFIED`` and the new capture the next candidate;
-* SDC or inconclusive anywhere: the capture is skipped, the current candidate is
+  cycle ``CANDIDATE`` (persisted, and the caller's durable-candidate callback
+  runs); after the next complete accepted cycle it becomes ``RECOVERY_VERIFIED``
+  (once the dense recipes also cover it) and the new capture the next candidate;
+* SDC or inconclusive anywhere: the capture is skipped, every candidate is
   rejected, the previous verified generation is kept, and the verdict "recover in
   verified mode" is persisted. SCOUT then stays *latched* (no further capture is
   allowed or certified) until a verified recovery, because under DDP a rank that
@@ -23,6 +26,7 @@ methods return at once and persist in the background.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -46,7 +50,12 @@ class TrustSink(Protocol):
 
 
 class Certifier:
-    """One rank's certification state; see the module docstring for the rules."""
+    """One rank's certification state; see the module docstring for the rules.
+
+    ``frontier`` arguments come from :meth:`Coverage.frontier
+    <lm_resiliency.detection.coverage.Coverage.frontier>`: the newest step every
+    dense recipe was checked clean at or after.
+    """
 
     def __init__(
         self,
@@ -61,6 +70,9 @@ class Certifier:
         self.persist = persist
         self.on_candidate = on_candidate
         self.candidate: int | None = None
+        """The dynamic cycle's candidate (awaiting the next complete cycle)."""
+        self.pending: list[int] = []
+        """Persisted candidates awaiting recipe coverage, oldest first."""
         self.verified: int | None = None
         self.rejected: list[tuple[int, str]] = []
         self.latched: str | None = None
@@ -69,29 +81,54 @@ class Certifier:
         """A complete accepted cycle awaits the next capture (dynamic catalogs)."""
         self._clear_verdict = False
 
-    def observe(self, step: int, *, corrupt: bool, reason: str, cycle_complete: bool) -> None:
+    def observe(
+        self,
+        step: int,
+        *,
+        corrupt: bool,
+        reason: str,
+        cycle_complete: bool,
+        frontier: float = math.inf,
+    ) -> None:
         """Apply one check's job-wide outcome (call on every rank after every check)."""
         if corrupt:
             self._on_sdc(step, reason)
-        elif cycle_complete and self.latched is None:
+            return
+        if cycle_complete and self.latched is None:
             self.cycle_complete = True
+        self.advance(frontier)
+
+    def advance(self, frontier: float) -> None:
+        """Promote every pending candidate at or before ``frontier`` to RECOVERY_VERIFIED."""
+        if self.latched is not None or not self.pending or self.pending[0] > frontier:
+            return
+        ready = [s for s in self.pending if s <= frontier]
+        self.pending = [s for s in self.pending if s > frontier]
+        for step in ready:
+            if self.sink is not None:
+                self.sink.certify(step, TrustStatus.RECOVERY_VERIFIED, persist=False)
+        self.verified = ready[-1]
+        log.info("SCOUT: step(s) %s verified (every recipe checked clean since)", ready)
 
     def _on_sdc(self, step: int, reason: str) -> None:
         self.cycle_complete = False
         if self.latched is not None:
             return
         self.latched = f"SDC found at step {step}: {reason}"
-        if self.candidate is not None:
-            self.rejected.append((self.candidate, reason))
+        doomed = [*self.pending, *([] if self.candidate is None else [self.candidate])]
+        for cand in sorted(doomed):
+            self.rejected.append((cand, reason))
             if self.sink is not None:
-                self.sink.reject(self.candidate, reason=f"SCOUT at step {step}: {reason}")
-            log.warning("SCOUT rejected candidate step %d: %s", self.candidate, reason)
-            self.candidate = None
+                self.sink.reject(cand, reason=f"SCOUT at step {step}: {reason}")
+        if doomed:
+            log.warning("SCOUT rejected candidate step(s) %s: %s", sorted(doomed), reason)
+        self.candidate = None
+        self.pending = []
         self._clear_verdict = False
         if self.sink is not None:
             self.sink.require_verified_recovery(step, reason=reason)
 
-    def captured(self, step: int) -> TrustStatus:
+    def captured(self, step: int, *, frontier: float = math.inf) -> TrustStatus:
         """Certify the capture just taken at ``step`` (accepted check); returns its trust."""
         if self.latched is not None:
             return TrustStatus.UNVERIFIED
@@ -100,17 +137,22 @@ class Certifier:
             sink.clear_recovery_verdict()
             self._clear_verdict = False
         if not self.dynamic:
-            self.verified = step
+            self.advance(frontier)
+            if step <= frontier:
+                self.verified = step
+                if sink is not None:
+                    sink.certify(step, TrustStatus.RECOVERY_VERIFIED, persist=self.persist)
+                return TrustStatus.RECOVERY_VERIFIED
+            self.pending.append(step)
             if sink is not None:
-                sink.certify(step, TrustStatus.RECOVERY_VERIFIED, persist=self.persist)
-            return TrustStatus.RECOVERY_VERIFIED
+                sink.certify(step, TrustStatus.CANDIDATE, persist=self.persist)
+            return TrustStatus.CANDIDATE
         if not self.cycle_complete:
             return TrustStatus.UNVERIFIED
         self.cycle_complete = False
         if self.candidate is not None:
-            self.verified = self.candidate
-            if sink is not None:
-                sink.certify(self.candidate, TrustStatus.RECOVERY_VERIFIED, persist=False)
+            self.pending.append(self.candidate)  # its second cycle is complete
+            self.advance(frontier)
         self.candidate = step
         if sink is not None:
             sink.certify(step, TrustStatus.CANDIDATE, persist=self.persist)
@@ -118,12 +160,19 @@ class Certifier:
             self.on_candidate(step)
         return TrustStatus.CANDIDATE
 
-    def recovered(self, *, verified: bool) -> None:
-        """The state of a verified step was restored (unlatch; clear the verdict later)."""
+    def recovered(self, step: int, *, verified: bool) -> None:
+        """The state of ``step`` was restored (verified: unlatch; clear the verdict later).
+
+        Candidates newer than ``step`` belong to the abandoned timeline and are dropped.
+        """
+        self.pending = [s for s in self.pending if s <= step]
+        if self.candidate is not None and self.candidate > step:
+            self.candidate = None
         if verified:
             self.latched = None
             self.cycle_complete = False
             self.candidate = None
+            self.pending = []
             self._clear_verdict = True
         elif self.latched is not None:
             log.warning(

@@ -39,6 +39,7 @@ from lm_resiliency.detection.catalog import Cycles, DynamicCatalog
 from lm_resiliency.detection.certify import Certifier, TrustSink
 from lm_resiliency.detection.compose import blocked, compose, severity
 from lm_resiliency.detection.config import ScoutConfig
+from lm_resiliency.detection.coverage import Coverage
 from lm_resiliency.detection.execute import Executed, Executor
 from lm_resiliency.detection.fingerprint import config_fingerprint
 from lm_resiliency.detection.groups import ComparisonGroups
@@ -48,6 +49,7 @@ from lm_resiliency.detection.signature import Recorder
 from lm_resiliency.detection.verdict import Outcome, StragglerRule
 from lm_resiliency.detection.wire import Channel, PendingSpec, RankReport
 from lm_resiliency.errors import ConfigError, ResiliencyError
+from lm_resiliency.persistence.trust import TrustStatus
 from lm_resiliency.telemetry import EventLog
 
 log = logging.getLogger(__name__)
@@ -148,6 +150,12 @@ class Scout:
         self.planner = Planner(
             self.blocks, self.recorder, self.dynamic, self.dynamic_recorder, seed=config.seed
         )
+        self.coverage = Coverage(
+            self.blocks,
+            self.groups,
+            classes={n for n, every in self.intervals.items() if every is not None},
+            disabled=self.planner.disabled,
+        )
         self.executor = Executor(
             self.blocks, uncovered_params(self.model, self.blocks), self.dynamic, recorders
         )
@@ -230,8 +238,11 @@ class Scout:
     def after_capture(self, step: int) -> None:
         """Local: certify the capture just taken at ``step`` (after ``manager.save``).
 
-        Dense: ``RECOVERY_VERIFIED``; dynamic: ``CANDIDATE`` after a complete cycle
-        (promoting the previous candidate). Persistence runs in the background.
+        Dense: ``RECOVERY_VERIFIED`` when every recipe was checked clean at or after
+        ``step`` (one signature: at once), else a persisted ``CANDIDATE`` that a later
+        check promotes; dynamic: ``CANDIDATE`` after a complete cycle (promoting the
+        previous candidate once the dense recipes cover it too). Persistence runs in
+        the background.
         Raises ``ResiliencyError`` without a permitting ``before_capture(step)``.
         """
         self._check_open()
@@ -243,7 +254,20 @@ class Scout:
                 "before_capture at the boundary and capture only when it returns True"
             )
         self._pending_capture = None
-        self.certifier.captured(step)
+        trust = self.certifier.captured(step, frontier=self._frontier())
+        if trust is TrustStatus.CANDIDATE and not self.certifier.dynamic:
+            log.debug("SCOUT: step %d is a CANDIDATE until every recipe is checked clean", step)
+            waiting = len(self.certifier.pending)
+            if waiting == 2 * len(self.blocks) + 1 and self.rank == 0:
+                # Two rotations without a promotion: a recipe is never checked clean.
+                log.warning(
+                    "SCOUT: %d captures in a row stay CANDIDATE (none can be verified): "
+                    "not checked clean since step %d: %s. A block that is disabled or no "
+                    "longer called in a forward keeps every capture a candidate.",
+                    waiting,
+                    self.certifier.pending[0],
+                    ", ".join(self.coverage.behind(self.certifier.pending[0])[:8]),
+                )
 
     def recovered(self, step: int, *, verified: bool) -> None:
         """Local: the state of ``step`` was restored (``verified``: a RECOVERY_VERIFIED step).
@@ -251,7 +275,9 @@ class Scout:
         A verified recovery unlatches SCOUT after an SDC; the persisted verdict is
         cleared at the next certification. Call on every rank.
         """
-        self.certifier.recovered(verified=verified)
+        self.certifier.recovered(step, verified=verified)
+        if self.config.enable:
+            self.coverage.reset()  # clean checks of the abandoned timeline say nothing now
         log.info("SCOUT: recovered step %d (verified=%s)", step, verified)
 
     def sweep(self, step: int = 0, *, warmup: Callable[[], Any] | None = None) -> ScoutResult:
@@ -351,6 +377,7 @@ class Scout:
         a, done, reports, timings, rerun = self._exchange(step, spec, classes)
         timings["exchange"] += wait_s
         self._learn(a, reports)
+        self.coverage.credit(step, a, reports, classes)
         corrupt = bool(a.outcomes(Outcome.SDC) or a.outcomes(Outcome.INCONCLUSIVE))
         cycle = self.cycles.advance(a, reports, corrupt) if "dynamic" in classes else False
         result = compose(
@@ -364,7 +391,11 @@ class Scout:
             cycle=cycle,
         )
         self.certifier.observe(
-            step, corrupt=result.status.corrupt, reason=result.reason, cycle_complete=cycle
+            step,
+            corrupt=result.status.corrupt,
+            reason=result.reason,
+            cycle_complete=cycle,
+            frontier=self._frontier(),
         )
         if self.latched is not None and result.capture_allowed:
             result = blocked(result, self.latched)
@@ -393,6 +424,7 @@ class Scout:
             spec = self._spec(plan).result()
             a, done, reports, t, rerun = self._exchange(step, spec, classes)
             self._learn(a, reports)
+            self.coverage.credit(step, a, reports, classes)
             if r == 0 and "dynamic" in classes:
                 sizes = [reports[g[0]].of("dynamic").extra for g in self.groups.groups]
                 rounds = max(rounds, *sizes)
@@ -448,9 +480,17 @@ class Scout:
             groups=worst.groups,
         )
         self.certifier.observe(
-            step, corrupt=result.status.corrupt, reason=reason, cycle_complete=False
+            step,
+            corrupt=result.status.corrupt,
+            reason=reason,
+            cycle_complete=False,
+            frontier=self._frontier(),
         )
         return self._record(result)
+
+    def _frontier(self) -> float:
+        """The newest step every recipe was checked clean at or after (see Coverage)."""
+        return self.coverage.frontier()
 
     def _learn(self, a: Assessment, reports: list[RankReport]) -> None:
         """Disable blocks that cannot be replayed (identically on every rank)."""
@@ -471,7 +511,13 @@ class Scout:
         self.planner.disabled.add(block)
         if self.rank == 0:
             log.warning(
-                "SCOUT no longer replays block %d (%s): %s", block, self.blocks[block].label, why
+                "SCOUT no longer replays block %d (%s): %s. Its recipe can never be checked "
+                "again, so every capture from now on stays a CANDIDATE (never "
+                "RECOVERY_VERIFIED) in this process; verified recovery returns the newest "
+                "step verified before.",
+                block,
+                self.blocks[block].label,
+                why,
             )
 
     def _record(self, result: ScoutResult) -> ScoutResult:

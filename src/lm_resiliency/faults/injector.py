@@ -82,6 +82,11 @@ class FaultInjector:
         """Whether this process opted in (``arm()`` or ``LM_RESILIENCY_FAULTS=1``)."""
         return self._armed or os.environ.get(ARM_ENV) == "1"
 
+    @property
+    def installed(self) -> bool:
+        """Whether :meth:`install` attached the hooks (and :meth:`remove` did not detach them)."""
+        return bool(self._handles)
+
     def arm(self) -> None:
         """Opt this process in to real fault injection."""
         self._armed = True

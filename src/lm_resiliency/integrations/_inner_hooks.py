@@ -11,6 +11,10 @@ So the boundary is split over public per-instance torch hooks, nothing patched:
 
 * ``before_step`` from the inner optimizer's step *pre*-hook, before its first
   call of a step (nothing is modified before it);
+* ``optimizer_done`` from the post-hook of its last call of a step: the
+  parameters are final, and the training loop has not fetched the next batch
+  yet, so the RNGs and the caller's ``state`` objects (a data loader's
+  position) are taken there;
 * ``after_step`` once the step is complete: at the next forward pre-hook of the
   training modules (the next step's forward, or an evaluation forward), or at
   the inner optimizer's next step, or when the hooks are removed, whichever is
@@ -70,6 +74,7 @@ def bind_deferred_steps(
         if calls[0] == calls_per_step:
             calls[0] = 0
             pending[0] = True
+            boundary.optimizer_done()
 
     def forward_pre(module: torch.nn.Module, args: Any) -> None:
         deliver()

@@ -107,9 +107,20 @@ class StepBoundary(Protocol):
     step runs SCOUT's gate and launches the capture). Both run on the training
     thread, in that order, once per step; both are local (no collectives),
     except what a capture itself does in the background.
+
+    ``optimizer_done()``: for a framework whose step finishes *after* its
+    optimizer (DeepSpeed's engine advances its scheduler and counters, a
+    Megatron loop steps its scheduler) and whose ``after_step`` therefore comes
+    late, at the next forward: called right after the optimizer update, before
+    the training loop fetches the next batch. The state the handle captures
+    itself (the RNGs, the ``state`` objects, per-rank extras) is taken there;
+    the adapter's own state at ``after_step``. Adapters whose ``after_step``
+    comes at the optimizer step need not call it.
     """
 
     def before_step(self) -> None: ...
+
+    def optimizer_done(self) -> None: ...
 
     def after_step(self) -> None: ...
 

@@ -10,11 +10,16 @@ Where it hangs (callback events, all ranks, same order):
 
 * ``on_train_begin``: the optimizer, scheduler and the prepared (DDP) model
   exist; GEMINI recovers (collective) the model, optimizer, LR scheduler,
-  the Trainer's state (global step, epoch, FLOs, tokens seen) and the data
-  position: the Trainer's data loader skips the batches the recovered steps
-  consumed (accelerate's ``skip_batches``), as the Trainer's own resume does.
-  A DDP model gets the bucket layout of the uninterrupted run (see
-  :mod:`lm_resiliency.integrations.ddp`).
+  the Trainer's state (global step, epoch, FLOs, tokens seen), its running
+  loss and FLO counters (so ``train_loss`` and ``total_flos`` cover every step,
+  as in an uninterrupted run) and the data position: the Trainer's data
+  loader skips the batches the recovered steps consumed (accelerate's
+  ``skip_batches``), as the Trainer's own resume does. A DDP model gets the
+  bucket layout of the uninterrupted run (see
+  :mod:`lm_resiliency.integrations.ddp`). When ``train(resume_from_checkpoint=...)``
+  already restored a Trainer checkpoint (``state.global_step > 0`` at train
+  begin) that resume wins: no GEMINI step is recovered over it, and the
+  captures continue from its step.
 * ``on_step_begin`` of step N+1 is the capture point of step N: the update,
   the scheduler step and ``zero_grad`` are done, the next batch is fetched,
   the forward has not run. The generators are captured here, so the dropout
@@ -23,12 +28,15 @@ Where it hangs (callback events, all ranks, same order):
 * ``on_pre_optimizer_step``: waits for the capture in flight.
 * ``on_train_end``: closes the handle (collective).
 
-Limits (checked at train begin, ``ConfigError``): a recovered position must
-lie in the first pass over the data loader of this ``train()`` call (the
-Trainer restarts its epoch loop at 0 and only its own ``resume_from_checkpoint``
-can skip whole epochs); a ``gradient_accumulation_steps`` that does not
-divide the batches per epoch is rejected for the same reason (the Trainer's
-last partial accumulation is keyed on its epoch-local batch index).
+Limits (checked at train begin, before any step, ``ConfigError``): every
+capture must lie in the first pass over the data loader of this ``train()``
+call (the Trainer restarts its epoch loop at 0 and only its own
+``resume_from_checkpoint`` can skip whole epochs), so a ``max_steps`` whose
+last capture lies past it is refused at once; a ``gradient_accumulation_steps``
+that does not divide the batches per epoch is rejected for the same reason
+(the Trainer's last partial accumulation is keyed on its epoch-local batch
+index). After a recovery the callback sets ``state.epoch`` at each step end to
+the uninterrupted run's value (the Trainer counts the skipped batches out).
 """
 
 from __future__ import annotations
@@ -56,6 +64,10 @@ from lm_resiliency.resiliency.rng import restore_rng
 __all__ = ["HFAdapter", "ResiliencyCallback", "make_adapter"]
 
 _TRAINER_FIELDS = ("global_step", "epoch", "total_flos", "num_input_tokens_seen")
+# The Trainer's own running counters (transformers 5): the loss summed since the last
+# log (a tensor, added to in place), the logged sum, the step last logged, and this
+# rank's FLOs not yet added to ``state.total_flos`` (that happens at a log or a save).
+_RUNNING_FIELDS = ("_total_loss_scalar", "_globalstep_last_logged", "current_flos")
 
 
 class HFAdapter(AdapterBase):
@@ -66,6 +78,7 @@ class HFAdapter(AdapterBase):
     def __init__(
         self,
         *,
+        trainer: Any = None,
         model: torch.nn.Module,
         wrapped: torch.nn.Module | None,
         optimizer: torch.optim.Optimizer,
@@ -75,6 +88,7 @@ class HFAdapter(AdapterBase):
         accumulation: int,
     ) -> None:
         super().__init__([optimizer])
+        self.trainer = trainer
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -110,8 +124,34 @@ class HFAdapter(AdapterBase):
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "trainer": {k: getattr(self.trainer_state, k) for k in _TRAINER_FIELDS},
+            "running": self._running(),
             "ddp": {"ready_order": list(self._order)},
         }
+
+    def _running(self) -> dict[str, Any]:
+        """The Trainer's running loss and FLO counters (those it has; see ``_RUNNING_FIELDS``)."""
+        out: dict[str, Any] = {}
+        if self.trainer is None:
+            return out
+        for key in _RUNNING_FIELDS:
+            if hasattr(self.trainer, key):
+                out[key] = getattr(self.trainer, key)
+        loss = getattr(self.trainer, "_tr_loss", None)
+        if isinstance(loss, torch.Tensor):
+            out["_tr_loss"] = loss.detach().clone()  # added to in place by the next step
+        return out
+
+    def _load_running(self, saved: dict[str, Any]) -> None:
+        if self.trainer is None:
+            return
+        for key, value in saved.items():
+            if key == "_tr_loss":
+                live = getattr(self.trainer, "_tr_loss", None)
+                if isinstance(live, torch.Tensor):
+                    with torch.no_grad():
+                        live.copy_(value)
+            elif hasattr(self.trainer, key):
+                setattr(self.trainer, key, value)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -120,6 +160,7 @@ class HFAdapter(AdapterBase):
             self.scheduler.load_state_dict(state["scheduler"])
         for key in _TRAINER_FIELDS:
             setattr(self.trainer_state, key, state["trainer"][key])
+        self._load_running(state.get("running", {}))
         order = list(state["ddp"]["ready_order"])
         if self.ddp is not None and order:
             replay_ready_order(self.ddp, order)
@@ -188,9 +229,12 @@ class ResiliencyCallback(TrainerCallback):  # type: ignore[misc]
         self.handle: Any = None
         self.last_start_step: int | None = None
         """The step the latest ``train()`` began after (0: fresh)."""
+        self.last_recovery: Any = None
+        """The latest ``train()``'s :class:`~lm_resiliency.resiliency.recover.RecoveryInfo`."""
         self._adapter: HFAdapter | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._stepped = False
+        self._per_epoch: int | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         from lm_resiliency.resiliency.enable import enable_adapter
@@ -205,7 +249,13 @@ class ResiliencyCallback(TrainerCallback):  # type: ignore[misc]
                 f"gradient_accumulation_steps={accumulation} does not divide the {per_epoch} "
                 "batches per epoch; ResiliencyCallback needs whole accumulation groups per epoch"
             )
+        # train(resume_from_checkpoint=...) restored the Trainer's own checkpoint: it wins.
+        resumed = int(state.global_step) if int(state.global_step) > 0 else None
+        if resumed is None:
+            self._check_first_pass(int(state.max_steps), accumulation, per_epoch)
+        self._per_epoch = per_epoch
         self._adapter = HFAdapter(
+            trainer=self.trainer,
             model=kwargs["model"],
             wrapped=getattr(self.trainer, "model_wrapped", None),
             optimizer=torch_opt,
@@ -220,9 +270,27 @@ class ResiliencyCallback(TrainerCallback):  # type: ignore[misc]
             load_fallback=self.load_fallback,
             state=self.state,
             restore_rng=self._defer_rng,
+            resumed_step=resumed,
         )
         self.last_start_step = self.handle.start_step
+        self.last_recovery = self.handle.last_recovery
         self._stepped = False
+
+    def _check_first_pass(self, max_steps: int, accumulation: int, per_epoch: int | None) -> None:
+        """Refuse, before any step, a run whose captures could not all be recovered."""
+        interval = self.config.interval
+        last = (max_steps // interval) * interval  # the last step captured
+        if per_epoch is None or last == 0 or last * accumulation < per_epoch:
+            return
+        within = (per_epoch - 1) // accumulation
+        raise ConfigError(
+            f"max_steps={max_steps} with interval={interval}: the capture of step {last} "
+            f"lies past the first pass over the data loader ({per_epoch} batches, "
+            f"{accumulation} per step), and a callback cannot make the Trainer skip whole "
+            f"epochs when it recovers it; train at most {within} steps per train() call "
+            "(max_steps) and continue with train(resume_from_checkpoint=<a Trainer "
+            "checkpoint>), which ResiliencyCallback leaves to the Trainer"
+        )
 
     def _defer_rng(self, rng: dict[str, Any]) -> None:
         # The Trainer draws from the generators when it creates its data iterator;
@@ -244,6 +312,11 @@ class ResiliencyCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._stepped = True
+        adapter = self._adapter
+        if adapter is not None and adapter.skipped_batches and self._per_epoch:
+            # The Trainer counts the epoch from the batches after the skipped ones; the
+            # uninterrupted run's value (the first pass: epoch 0 plus the batches done).
+            state.epoch = (int(state.global_step) * adapter.accumulation) / self._per_epoch
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._adapter is not None and self._adapter.skipped_batches:

@@ -82,7 +82,8 @@ class _SharedArena:
             tier.identity(self.slot_name, slot.owner_rank),
             generation=tier.next_generation(),
             step=slot.step,
-            timeline=tier.timeline,
+            # A slot re-protected after a recovery keeps the timeline it was recorded with.
+            timeline=slot.timeline if slot.timeline is not None else tier.timeline,
             layout=slot.layout,
             state=slot.document,
             crcs=slot.crcs,

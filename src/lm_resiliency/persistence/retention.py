@@ -1,7 +1,11 @@
 """Which generations to keep, and a pool of retired files to overwrite next.
 
 Policy, per owner rank: keep the newest ``keep`` persisted steps plus the
-newest recovery-verified step; everything older goes. Retention runs only right
+newest recovery-verified step and the oldest candidate newer than it;
+everything older goes. That candidate is the next one SCOUT can promote (it
+verifies candidates oldest first, once every recipe was checked clean since):
+without it, a rotation over K recipes that takes more than ``keep`` captures
+to cover a candidate would promote a step whose files are already gone. Retention runs only right
 after a new generation of that owner was published on this node, so there are
 never fewer than ``keep`` complete generations of an owner once ``keep`` have
 been written.
@@ -37,14 +41,30 @@ from lm_resiliency.persistence.publish import temp_name
 MAX_SPARES = 2
 
 
-def plan_retention(steps: Sequence[int], *, keep: int, verified_step: int | None) -> list[int]:
-    """Steps to remove (ascending): all but the newest ``keep`` and ``verified_step``."""
+def plan_retention(
+    steps: Sequence[int],
+    *,
+    keep: int,
+    verified_step: int | None,
+    candidate_step: int | None = None,
+) -> list[int]:
+    """Steps to remove (ascending): all but the newest ``keep``, ``verified_step`` and
+    ``candidate_step`` (the oldest candidate newer than it, see :func:`oldest_candidate`)."""
     assert keep >= 1, keep
     ordered = sorted(set(steps))
     kept = set(ordered[-keep:])
-    if verified_step is not None:
-        kept.add(verified_step)
+    kept |= {s for s in (verified_step, candidate_step) if s is not None}
     return [s for s in ordered if s not in kept]
+
+
+def oldest_candidate(
+    steps: Sequence[int], verified_step: int | None, is_candidate: Callable[[int], bool]
+) -> int | None:
+    """The oldest of ``steps`` newer than ``verified_step`` for which ``is_candidate`` holds."""
+    for step in sorted(set(steps)):
+        if (verified_step is None or step > verified_step) and is_candidate(step):
+            return step
+    return None
 
 
 def newest_verified(steps: Sequence[int], is_verified: Callable[[int], bool]) -> int | None:

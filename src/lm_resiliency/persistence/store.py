@@ -52,7 +52,12 @@ from lm_resiliency.persistence.lineage import Lineage, lineage_file, read_lineag
 from lm_resiliency.persistence.publish import Recycled, publish, reap_stale_temps
 from lm_resiliency.persistence.reader import ShardReader
 from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
-from lm_resiliency.persistence.retention import SparePool, newest_verified, plan_retention
+from lm_resiliency.persistence.retention import (
+    SparePool,
+    newest_verified,
+    oldest_candidate,
+    plan_retention,
+)
 from lm_resiliency.persistence.sidecar import DEFAULT_HISTORY_LIMIT, DEFAULT_RETRY_S
 from lm_resiliency.persistence.sidecar_store import SidecarStore, has_marker
 from lm_resiliency.persistence.trust import TrustStatus
@@ -305,13 +310,15 @@ class ShardStore:
 
     def _retain(self, topo_fd: int, owner_rank: int) -> None:
         """Retire this owner's generations that the lineage superseded, then all but the newest
-        ``keep_generations`` (and the newest verified) of those on the current history.
+        ``keep_generations`` (and the newest verified, and the oldest candidate newer than it)
+        of those on the current history.
 
         A generation of a timeline the lineage does not know (another job's) is
         never deleted; neither is the newest verified generation on the history.
         """
         steps = self._steps_in(topo_fd, owner_rank)
-        history = set(self.sidecar.status().verified_history)
+        status = self.sidecar.status()
+        history = set(status.verified_history)
         lineage = self.lineage
         current: list[int] = []
         for step in steps:
@@ -329,8 +336,18 @@ class ShardStore:
             )
 
         keep_verified = newest_verified(current, verified)
+        rejected = {s for s, _ in status.rejected}
+
+        def candidate(step: int) -> bool:  # written as a candidate, neither promoted nor rejected
+            trust = self._trust(owner_rank, step)
+            return trust is TrustStatus.CANDIDATE and step not in rejected and not verified(step)
+
+        next_verified = oldest_candidate(current, keep_verified, candidate)
         for step in plan_retention(
-            current, keep=self.keep_generations, verified_step=keep_verified
+            current,
+            keep=self.keep_generations,
+            verified_step=keep_verified,
+            candidate_step=next_verified,
         ):
             self._retire(topo_fd, owner_rank, step)
 

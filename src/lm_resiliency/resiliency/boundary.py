@@ -52,11 +52,14 @@ class CaptureBoundary:
         *,
         interval: int,
         start_step: int,
-        build_tree: Callable[[int], Any],
+        build_tree: Callable[[int, Any], Any],
+        rank_part: Callable[[], Any],
     ) -> None:
         self._manager = manager
         self._interval = interval
         self._build_tree = build_tree
+        self._rank_part = rank_part
+        self._settled: Any = None  # the per-rank part taken at optimizer_done, for after_step
         self.step = start_step
         self.gates: list[CaptureGate] = []
         self.after_capture: list[Callable[[int], None]] = []
@@ -72,9 +75,15 @@ class CaptureBoundary:
         self.stats.wait_s.append(time.perf_counter() - t0)
         self._in_flight = False
 
+    def optimizer_done(self) -> None:
+        """Take the per-rank part (RNGs, ``state`` objects) now, when this step is captured."""
+        if (self.step + 1) % self._interval == 0:
+            self._settled = self._rank_part()
+
     def after_step(self) -> None:
         self.step += 1
         step = self.step
+        settled, self._settled = self._settled, None
         if step % self._interval:
             for hook in self.between:
                 hook(step)
@@ -83,7 +92,7 @@ class CaptureBoundary:
             self.stats.skipped += 1
             return
         t0 = time.perf_counter()
-        self._manager.save(self._build_tree(step), step)
+        self._manager.save(self._build_tree(step, settled), step)
         self.stats.launch_s.append(time.perf_counter() - t0)
         self.stats.captures += 1
         self._in_flight = True
@@ -103,6 +112,9 @@ class WaitOnly:
 
     def before_step(self) -> None:
         self._inner.before_step()
+
+    def optimizer_done(self) -> None:
+        return None
 
     def after_step(self) -> None:
         return None

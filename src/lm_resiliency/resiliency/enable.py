@@ -12,14 +12,15 @@ import torch.distributed as dist
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.detection import ComparisonGroups, Scout, ScoutConfig
-from lm_resiliency.integrations.base import Adapter
+from lm_resiliency.faults import FaultInjector
+from lm_resiliency.integrations.base import Adapter, Unbind
 from lm_resiliency.integrations.registry import adapter_for
 from lm_resiliency.resiliency.boundary import CaptureBoundary, WaitOnly
 from lm_resiliency.resiliency.handle import ResiliencyHandle
 from lm_resiliency.resiliency.objects import StateObjects
-from lm_resiliency.resiliency.recover import recover
+from lm_resiliency.resiliency.recover import recover, resumed
 from lm_resiliency.resiliency.rng import restore_rng as restore_now
-from lm_resiliency.resiliency.transact import build_mtgs
+from lm_resiliency.resiliency.transact import attach_faults, build_mtgs, check_faults
 from lm_resiliency.resiliency.tree import CaptureTree
 from lm_resiliency.resiliency.validate import check_mtgs, check_scout, gemini_config
 from lm_resiliency.transactions.config import MTGSConfig
@@ -40,6 +41,7 @@ def enable_resiliency(
     mtgs: MTGSConfig | None = None,
     scout: ScoutConfig | None = None,
     failure_kind: str | None = None,
+    faults: FaultInjector | None = None,
 ) -> ResiliencyHandle:
     """Recover the newest common state, then capture every ``interval`` steps automatically.
 
@@ -65,6 +67,11 @@ def enable_resiliency(
     kind: ``failure_kind`` (``"sdc"``, ``"inaccessible"``, ``"straggler"``,
     ``"hang"``, ``"unknown"``) or ``$LM_RESILIENCY_FAILURE_KIND`` (an
     orchestrator's verdict), and a verdict SCOUT persisted before the restart.
+    ``faults=FaultInjector(schedule, rank=rank)`` (armed: ``arm()`` or
+    ``LM_RESILIENCY_FAULTS=1``; needs ``mtgs=``) injects the schedule's faults
+    into the transaction's steps, for drills and tests: the injector's hooks are
+    installed on the model and optimizer unless already installed (and removed
+    by ``handle.close()``), and MTGS tells it each step and attempt.
 
     Raises ``ConfigError`` for invalid or incompatible arguments (before any
     collective), ``StateEncodingError`` naming the key path of a ``state``
@@ -81,6 +88,7 @@ def enable_resiliency(
         mtgs=mtgs,
         scout=scout,
         failure_kind=failure_kind,
+        faults=faults,
     )
 
 
@@ -94,15 +102,21 @@ def enable_adapter(
     restore_rng: Callable[[dict[str, Any]], None] | None = None,
     scout: ScoutConfig | None = None,
     failure_kind: str | None = None,
+    resumed_step: int | None = None,
+    faults: FaultInjector | None = None,
 ) -> ResiliencyHandle:
     """:func:`enable_resiliency` for an adapter built by the caller (framework integrations).
 
     ``config.interval`` is the capture cadence. ``restore_rng`` replaces the
     immediate restore of the generators (a framework that draws from them
-    between the restore and its first step defers it). Collective, like
-    :func:`enable_resiliency`.
+    between the restore and its first step defers it). ``resumed_step``: the
+    framework already restored its own durable checkpoint of that step, at the
+    user's request (``Trainer.train(resume_from_checkpoint=...)``); no GEMINI
+    step is recovered over it (``source="fallback"``) and the captures continue
+    from it. Collective, like :func:`enable_resiliency`.
     """
     mtgs_config = check_mtgs(mtgs, adapter)
+    injector = check_faults(faults, mtgs_config)
     scout_config = check_scout(scout, adapter)
     adapter.validate_capture()
     layout = adapter.parallel_layout()
@@ -115,12 +129,22 @@ def enable_adapter(
     fallback = load_fallback if load_fallback is not None else adapter.durable_fallback()
     manager = _manager(config, layout.group, layout.replica_ranks, fallback)
     checker: Scout | None = None
+    installed = False
     try:
         if scout_config is not None:
             checker = _scout(scout_config, adapter, layout, manager)
-        recovery = recover(manager, tree.apply, fallback, scout=checker, failure_kind=failure_kind)
+        if resumed_step is None:
+            recovery = recover(
+                manager, tree.apply, fallback, scout=checker, failure_kind=failure_kind
+            )
+        else:
+            recovery = resumed(manager, resumed_step)
         boundary = CaptureBoundary(
-            manager, interval=config.interval, start_step=recovery.step or 0, build_tree=tree.build
+            manager,
+            interval=config.interval,
+            start_step=recovery.step or 0,
+            build_tree=tree.build,
+            rank_part=tree.per_rank,
         )
         if checker is not None:
             boundary.gates.append(checker.before_capture)
@@ -129,10 +153,20 @@ def enable_adapter(
         txn = None
         if mtgs_config is not None:
             # After the recovery: the DDP bucket replay runs through DDP's default hook.
-            txn = build_mtgs(adapter, objects, mtgs_config, committed_steps=boundary.step)
+            if injector is not None:
+                installed = attach_faults(injector, adapter)
+            txn = build_mtgs(
+                adapter, objects, mtgs_config, committed_steps=boundary.step, faults=injector
+            )
         unbind = adapter.bind(WaitOnly(boundary) if txn is not None else boundary)
+        if installed:
+            assert injector is not None
+            unbind = _also_removing(unbind, injector)
         manager.commit_recovery()  # applied and bound: only now is an own slot handed over
     except BaseException:
+        if installed:
+            assert injector is not None
+            injector.remove()
         adapter.close()
         if checker is not None:
             checker.close()
@@ -147,6 +181,16 @@ def enable_adapter(
         mtgs=txn,
         scout=checker,
     )
+
+
+def _also_removing(unbind: Unbind, injector: FaultInjector) -> Unbind:
+    def both() -> None:
+        try:
+            unbind()
+        finally:
+            injector.remove()
+
+    return both
 
 
 def _scout(

@@ -71,6 +71,10 @@ class StateObjects:
         """Every object's ``state_dict()`` (captured as is; the codec copies nothing here)."""
         return {name: obj.state_dict() for name, obj in self._objects.items()}
 
+    def schedulers_state_dicts(self) -> dict[str, Any]:
+        """``state_dict()`` of the LR schedulers only (see :func:`is_step_scheduler`)."""
+        return {n: o.state_dict() for n, o in self._objects.items() if is_step_scheduler(o)}
+
     def validate(self, wrap: Any) -> None:
         """Encode the current states as they will sit in the capture tree (``wrap(states)``).
 
@@ -123,3 +127,17 @@ def is_lr_scheduler(obj: Any) -> bool:
     from torch.optim.lr_scheduler import LRScheduler
 
     return isinstance(obj, LRScheduler)
+
+
+def is_step_scheduler(obj: Any) -> bool:
+    """An LR scheduler the loop steps after ``optimizer.step()``.
+
+    A torch ``LRScheduler`` or Megatron Core's ``OptimizerParamScheduler``
+    (recognised by its class's name and module, without importing Megatron).
+    """
+    if is_lr_scheduler(obj):
+        return True
+    return any(
+        c.__name__ == "OptimizerParamScheduler" and c.__module__.startswith("megatron.")
+        for c in type(obj).__mro__
+    )

@@ -21,7 +21,7 @@ from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager, Recov
 from lm_resiliency.detection import RecoveryDecision, Scout, decide_recovery
 from lm_resiliency.errors import ConfigError
 
-__all__ = ["RecoveryInfo", "recover"]
+__all__ = ["RecoveryInfo", "recover", "resumed"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,15 @@ def recover(
         return RecoveryInfo(None, "fresh", ("fresh",) * manager.world_size, _since(t0), None)
     loaded = manager.load(step)
     return _applied(manager, apply, loaded, step, t0)
+
+
+def resumed(manager: InMemoryCheckpointManager, step: int) -> RecoveryInfo:
+    """The framework restored its own durable checkpoint of ``step``: no GEMINI recovery."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"resumed_step={step!r} must be the restored step (an int >= 0)")
+    _agree(manager, step)
+    log.info("resumed from the framework's own checkpoint of step %d; no GEMINI recovery", step)
+    return RecoveryInfo(step, "fallback", ("fallback",) * manager.world_size, 0.0, None)
 
 
 def _recover_decided(
@@ -137,7 +146,11 @@ def _applied(
             step,
             report.walked_back_from,
         )
-    return RecoveryInfo(fallback_step, source, tuple(report.sources), _since(t0), report)
+    # load_fallback() found nothing (returned None): every rank starts fresh, say so per rank.
+    sources = tuple(report.sources)
+    if fallback_step is None:
+        sources = ("fresh",) * len(sources)
+    return RecoveryInfo(fallback_step, source, sources, _since(t0), report)
 
 
 def _check_fallback_step(value: Any) -> int | None:

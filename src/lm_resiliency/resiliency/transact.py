@@ -21,12 +21,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.faults import FaultInjector
 from lm_resiliency.integrations.base import Adapter
 from lm_resiliency.resiliency.objects import StateObjects, is_grad_scaler, is_lr_scheduler
 from lm_resiliency.transactions import MTGS, MTGSConfig
 
-__all__ = ["build_mtgs"]
+__all__ = ["attach_faults", "build_mtgs", "check_faults"]
 
 
 class _DataState:
@@ -42,8 +45,54 @@ class _DataState:
         self._objects.load(state)
 
 
+def check_faults(faults: Any, mtgs: MTGSConfig | None) -> FaultInjector | None:
+    """Validate ``enable_resiliency(faults=...)`` before any collective; ``ConfigError``."""
+    if faults is None:
+        return None
+    if not isinstance(faults, FaultInjector):
+        raise ConfigError(
+            f"faults must be a lm_resiliency.faults.FaultInjector, got {type(faults).__name__}; "
+            "e.g. faults=FaultInjector('nan_grad@1:7', rank=rank)"
+        )
+    if mtgs is None:
+        raise ConfigError(
+            f"faults={faults.schedule.spec() or 'an empty schedule'!r} needs mtgs=MTGSConfig(...): "
+            "the transaction tells the injector each step and attempt; without it no "
+            "scheduled fault would ever fire"
+        )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if faults.rank != rank:
+        raise ConfigError(
+            f"faults was built for rank={faults.rank} but this process is rank {rank}; "
+            "build it with FaultInjector(schedule, rank=dist.get_rank())"
+        )
+    if len(faults.schedule) and not faults.armed and not faults.dry_run:
+        raise ConfigError(
+            f"faults={faults.schedule.spec()!r} is not armed: call injector.arm() or set "
+            "LM_RESILIENCY_FAULTS=1 in the processes meant to fail (or use dry_run=True)"
+        )
+    return faults
+
+
+def attach_faults(faults: FaultInjector, adapter: Adapter) -> bool:
+    """Install the injector's hooks on the adapter's model and optimizer unless installed.
+
+    Returns whether it installed them (the handle then removes them on close).
+    """
+    if faults.installed:
+        return False
+    (model, *_) = adapter.modules()
+    faults.install(model, adapter.step_optimizers()[0])
+    return True
+
+
 def build_mtgs(
-    adapter: Adapter, objects: StateObjects, config: MTGSConfig, *, committed_steps: int
+    adapter: Adapter,
+    objects: StateObjects,
+    config: MTGSConfig,
+    *,
+    committed_steps: int,
+    faults: FaultInjector | None = None,
 ) -> MTGS:
     """The step transaction for a DDP adapter; raises ``ConfigError`` for ambiguous state."""
     ddp = getattr(adapter, "ddp", None)
@@ -67,5 +116,6 @@ def build_mtgs(
         config=config,
         scaler=by_name[scalers[0]] if scalers else None,
         data_state=_DataState(data) if len(data) else None,
+        faults=faults,
         committed_steps=committed_steps,
     )

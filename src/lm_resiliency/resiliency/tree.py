@@ -57,8 +57,14 @@ class CaptureTree:
             "adapter": self._adapter.rank_state_dict(),
         }
 
-    def build(self, step: int) -> dict[str, Any]:
-        """The tree for ``step``; under HSDP a small all-gather in the replica group."""
+    def build(self, step: int, mine: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The tree for ``step``; under HSDP a small all-gather in the replica group.
+
+        ``mine``: this rank's :meth:`per_rank` part when it was taken earlier (at the
+        optimizer step of a framework that finishes its step later); taken now if None.
+        The LR schedulers among the ``state`` objects are stepped by the loop after the
+        optimizer, so their state is taken now in either case.
+        """
         tree: dict[str, Any] = {
             "format": FORMAT,
             "framework": self._adapter.framework,
@@ -67,7 +73,12 @@ class CaptureTree:
             # tensor-heavy) tree is left to the capture worker (see state.Deferred).
             "adapter": Deferred(self._adapter.state_dict()),
         }
-        mine = self.per_rank()
+        if mine is None:
+            mine = self.per_rank()
+        else:
+            late = self._objects.schedulers_state_dicts()
+            if late:
+                mine = {**mine, "state": {**mine["state"], **late}}
         if self._layout.replica_group is None:
             tree["rank"] = mine
         else:

@@ -141,6 +141,8 @@ class MTGS:
         self.ettr = ettr if ettr is not None else EttrTimer(self.rank)
         self.committed_steps = committed_steps
         self.counters = CollectiveCounter()
+        self.local_repairs = 0
+        """Updates this rank redid from its shadow without 2PC (each also an ETTR ``rollback``)."""
         self._last_loss = torch.zeros(())
         self._local_error: str | None = None
         self._current_attempt = 0
@@ -467,6 +469,7 @@ class MTGS:
                 reasons=describe({self.rank: code}),
                 restored_bytes=self.shadow.nbytes,
             )
+            self.local_repairs += 1
             code = self._apply_update(step)
             if code == 0:
                 return

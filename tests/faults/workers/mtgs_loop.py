@@ -5,10 +5,11 @@
 
 The loop is the documented MTGS form of the plain loop. ``--faults`` (the
 fault injector's ``KIND@RANK:STEP`` schedule, e.g. ``nan_grad@1:7,sigkill@0:23``)
-is attached to the transaction in the job's first generation only: the faulty
-device, not the loop. Every rank writes its final parameters and optimizer
-state to ``DIR/final-rank<R>.safetensors``, its start step per attempt and the
-steps that needed a retry to ``DIR/retried-rank<R>-attempt<A>.txt``.
+is given to ``enable_resiliency(faults=...)`` in the job's first generation
+only (it installs the injector's hooks): the faulty device, not the loop.
+Every rank writes its final parameters and optimizer state to
+``DIR/final-rank<R>.safetensors``, its start step per attempt and the steps
+that needed a retry to ``DIR/retried-rank<R>-attempt<A>.txt``.
 """
 
 from __future__ import annotations
@@ -49,16 +50,14 @@ def train(argv: list[str]) -> None:
     max_steps = args.steps
     config = InMemoryCkptConfig(disk_folder=args.disk_folder, disk_flush_interval=10)
 
-    resiliency = enable_resiliency(
-        ddp_model, optimizer, interval=10, state={"loader": loader}, config=config,
-        mtgs=MTGSConfig(max_retries=2),
-    )  # fmt: skip
+    injector = None
     if args.faults and attempt == 0:
-        assert resiliency.mtgs is not None
         injector = FaultInjector(args.faults, rank=rank)
         injector.arm()
-        injector.install(ddp_model.module, optimizer)
-        resiliency.mtgs.faults = injector
+    resiliency = enable_resiliency(
+        ddp_model, optimizer, interval=10, state={"loader": loader}, config=config,
+        mtgs=MTGSConfig(max_retries=2), faults=injector,
+    )  # fmt: skip
     (args.out / f"start-rank{rank}-attempt{attempt}.txt").write_text(str(resiliency.start_step))
     retried: dict[int, list[str]] = {}
     for step in range(resiliency.start_step + 1, max_steps + 1):

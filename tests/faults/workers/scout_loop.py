@@ -1,0 +1,109 @@
+"""torchrun worker: the plain loop with SCOUT (``ScoutConfig()``), a persistent SDC, a crash.
+
+``python -m torch.distributed.run ... tests/faults/workers/scout_loop.py --out DIR
+--steps N --disk-folder DIR --onset S --kill-step K``
+
+In the job's first generation rank 2 computes the GPT's final norm (``ln_f``, a
+signature of its own) wrong from step S on; SCOUT finds it when the rotation
+reaches that block, the captures after it are skipped, and at step K rank 1's
+batch stream SIGKILLs its own process (torchrun then restarts the group). Every
+rank writes, per attempt, the digest of its model and optimizer state at every
+capture boundary (``DIR/boundaries-rank<R>-attempt<A>.json``) and, after
+``enable_resiliency``, the recovery decision and the digest of the restored state
+(``DIR/start-rank<R>-attempt<A>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lm_resiliency import InMemoryCkptConfig, ScoutConfig, enable_resiliency
+from lm_resiliency.distributed import restart_count
+from lm_resiliency.faults import ComputeFaults, PersistentSDC
+from lm_resiliency.models import TinyGPT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # as a script and as workers.<name>
+from _loop_common import MODEL, loss_fn, main
+from plain_loop import DyingTokens
+
+INTERVAL = 5
+
+
+def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 of the parameters, buffers and optimizer tensors (bit identity)."""
+    h = hashlib.sha256()
+    tensors = [*model.state_dict().values()]
+    tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    for t in tensors:
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--disk-folder", type=Path, required=True)
+    p.add_argument("--onset", type=int, required=True)
+    p.add_argument("--kill-step", type=int, required=True)
+    args = p.parse_args(argv)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = restart_count() or 0
+    torch.manual_seed(0)
+    model = TinyGPT(MODEL)
+    ddp_model = DDP(model)
+    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3)
+    dies = attempt == 0 and rank == 1
+    loader = DyingTokens(
+        0, 4, 16, MODEL.vocab_size, rank=rank, world_size=world,
+        kill_at=args.kill_step if dies else None,
+    )  # fmt: skip
+    torch.manual_seed(1 + rank)
+    config = InMemoryCkptConfig(disk_folder=args.disk_folder, disk_flush_interval=0)
+    resiliency = enable_resiliency(
+        ddp_model,
+        optimizer,
+        interval=INTERVAL,
+        state={"loader": loader},
+        config=config,
+        scout=ScoutConfig(),
+    )
+    decision = resiliency.last_recovery.decision
+    start = {
+        "start": resiliency.start_step,
+        "restored": state_digest(model, optimizer),
+        "decision": None
+        if decision is None
+        else [decision.failure_kind.value, decision.mode.value, decision.step],
+        "reason": None if decision is None else decision.reason,
+    }
+    (args.out / f"start-rank{rank}-attempt{attempt}.json").write_text(json.dumps(start))
+    if attempt == 0:
+        sdc = PersistentSDC(rank=2, module=model.ln_f, from_step=args.onset)
+        faults = ComputeFaults([sdc], rank=rank)
+        faults.arm()
+        faults.install(optimizer)
+    boundaries: dict[int, list] = {}
+    log = args.out / f"boundaries-rank{rank}-attempt{attempt}.json"
+    for step in range(resiliency.start_step + 1, args.steps + 1):  # the plain loop
+        loss_fn(ddp_model, next(loader)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % INTERVAL == 0:
+            last = resiliency.last_scout
+            status = None if last is None else [last.status.value, list(last.faulty_ranks)]
+            boundaries[step] = [state_digest(model, optimizer), status]
+            log.write_text(json.dumps(boundaries))  # what a SIGKILL leaves behind
+    resiliency.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(train))
