@@ -95,8 +95,9 @@ def test_four_ranks_on_two_nodes_replicate_across_nodes(tmp_path) -> None:
     _check_pairs(out)
 
 
-def _stop_for(pid: int, seconds: float) -> None:
+def _stop_for(pid: int, seconds: float, stopped: threading.Event) -> None:
     os.kill(pid, signal.SIGSTOP)
+    stopped.set()
     time.sleep(seconds)
     os.kill(pid, signal.SIGCONT)
 
@@ -112,8 +113,12 @@ def _peer_stalls(rank: int, world: int, tmp: str) -> dict:
         dist.barrier()  # the training's own collectives keep ranks in step
         stopper = None
         if rank == 0:  # rank 1 stalls (SIGSTOP) for longer than the replication timeout
-            stopper = threading.Thread(target=_stop_for, args=(pids[1], 8.0))
+            stopped = threading.Event()
+            stopper = threading.Thread(target=_stop_for, args=(pids[1], 8.0, stopped))
             stopper.start()
+            # Test plumbing: rank 1 is stopped before cycle 20 can complete (a loaded
+            # machine could otherwise run the whole cycle before the thread's kill).
+            stopped.wait()
         t0 = time.monotonic()
         m.save(_state(rank, 20), 20)
         m.maybe_wait()

@@ -28,7 +28,7 @@ from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
 from lm_resiliency.errors import ReplicationError
 from lm_resiliency.knobs import REPLICATION_REBUILD_ATTEMPTS, REPLICATION_REBUILD_WAIT_FACTOR
-from lm_resiliency.replication._rebuild import JoinTimeout, PeerGaveUp, Rebuilds
+from lm_resiliency.replication._rebuild import ConnectFailed, JoinTimeout, PeerGaveUp, Rebuilds
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,11 @@ class Edge:
             ) from None
         except PeerGaveUp as exc:
             raise ReplicationError(f"{at} failed: {exc}") from None
+        except ConnectFailed as exc:
+            raise ReplicationError(
+                f"{at} failed {REPLICATION_REBUILD_ATTEMPTS} times although both endpoints "
+                f"were there; {exc}"
+            ) from exc
         except ReplicationError:
             raise
         except RuntimeError as exc:  # the job's store itself failed

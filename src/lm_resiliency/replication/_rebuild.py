@@ -49,7 +49,11 @@ class PeerGaveUp(ReplicationError):
 
 
 class JoinTimeout(ReplicationError):
-    """The peer did not arrive at the rebuild within ``timeout_s``."""
+    """The peer did not arrive at the rebuild, or report its connect, in time."""
+
+
+class ConnectFailed(ReplicationError):
+    """Every connect failed on one side or the other, although both endpoints met."""
 
 
 class Rebuilds:
@@ -69,7 +73,7 @@ class Rebuilds:
         ``connect`` builds the group on the store it is given (a fresh key space
         per attempt) and raises ``ReplicationError`` when that fails. Raises
         ``JoinTimeout`` when the peer did not come, ``PeerGaveUp`` when it
-        abandoned the step, or the last connect failure after ``attempts``.
+        abandoned the step, ``ConnectFailed`` when ``attempts`` connects failed.
         """
         last: ReplicationError | None = None
         for _ in range(attempts):
@@ -80,15 +84,17 @@ class Rebuilds:
                 group = connect(PrefixStore(f"{keys}/pg/", self._store))
             except ReplicationError as exc:
                 last = exc
+            else:
+                last = None
             outcome = self._settle(keys, ok=group is not None)
             self._advance(step, attempt)
             if outcome == _CONNECTED:
                 return group
             group = None  # its sockets close; the peer drops its side too
             if outcome != _RETRY:
-                raise self._gave_up(outcome, "its connect result") from last
-        assert last is not None or attempts == 0
-        raise ReplicationError(f"{last} ({attempts} attempts)") from last
+                raise self._gave_up(outcome, "connecting") from last
+        detail = "the peer's connect failed" if last is None else str(last)
+        raise ConnectFailed(f"the last one: {detail}") from last
 
     def close(self, step: int) -> None:
         """This endpoint is done with ``step``: a peer waiting for it or coming later is told.
@@ -106,8 +112,9 @@ class Rebuilds:
             attempt = self._current(step)
             keys = f"{step}/{attempt}"
             arrived = self._store.add(f"{keys}/arrivals", 1)
+            waited_in_vain = False
             if arrived == 1:
-                mark = self._wait_for(f"{keys}/start")
+                mark, waited_in_vain = self._wait_for(f"{keys}/start")
             elif arrived == 2:
                 mark = self._mark(f"{keys}/start", _GO)
             else:  # used up by an earlier rebuild of this step
@@ -115,15 +122,12 @@ class Rebuilds:
                 continue
             if mark == _GO:
                 return attempt
-            if mark == self._gone(self._me):
-                if arrived == 1:  # we waited in vain; the attempt stays marked for the peer
-                    raise JoinTimeout(
-                        f"the peer did not come within {self._join_timeout.total_seconds():g} s"
-                    )
-                self._advance(step, attempt)  # our own mark from an earlier call
-                continue
+            if waited_in_vain:  # the attempt stays marked, so a late peer learns at once
+                seconds = self._join_timeout.total_seconds()
+                raise JoinTimeout(f"the peer did not come within {seconds:g} s")
             self._advance(step, attempt)
-            raise self._gave_up(mark, "the rebuild")
+            if mark != self._gone(self._me):  # else: our own mark from an earlier call
+                raise self._gave_up(mark, "meeting")
 
     def _settle(self, keys: str, *, ok: bool) -> str:
         self._store.set(f"{keys}/result{self._me}", "ok" if ok else "failed")
@@ -137,13 +141,15 @@ class Rebuilds:
             decision = _CONNECTED if both else _RETRY
         return self._mark(f"{keys}/end", decision)
 
-    def _wait_for(self, key: str) -> str:
+    def _wait_for(self, key: str) -> tuple[str, bool]:
+        """The mark at ``key`` once there, and whether it is ours from waiting in vain."""
         try:
             self._store.wait([key], self._join_timeout)
         except RuntimeError:
             # Exactly one of our "gone" and the peer's "go" lands; read which.
-            return self._mark(key, self._gone(self._me))
-        return bytes(self._store.get(key)).decode()
+            mark = self._mark(key, self._gone(self._me))
+            return mark, mark == self._gone(self._me)
+        return bytes(self._store.get(key)).decode(), False
 
     def _current(self, step: int) -> int:
         return int(self._store.add(f"{step}/current", 0))
@@ -154,8 +160,8 @@ class Rebuilds:
     def _gave_up(self, mark: str, during: str) -> ReplicationError:
         if mark == self._gone(self._me):
             seconds = self._timeout.total_seconds()
-            return JoinTimeout(f"the peer did not report {during} within {seconds:g} s")
-        return PeerGaveUp(f"the peer gave up this step's transfer before {during}")
+            return JoinTimeout(f"the peer did not report its connect within {seconds:g} s")
+        return PeerGaveUp(f"the peer gave up this step's transfer ({during})")
 
     def _mark(self, key: str, desired: str) -> str:
         """Set ``key`` to ``desired`` unless it is set; return what it holds now."""
