@@ -61,7 +61,7 @@ class Edge:
         self.rank = rank
         self.peer = holder if rank == owner else owner
         self.timeout_s = timeout_s
-        self._store = store
+        self._store = _own_client(store)
         self._prefix = f"{prefix}/{owner}-{holder}"
         self._me = 0 if rank == owner else 1
         self._pg: Any = None
@@ -195,6 +195,22 @@ class Edge:
                 "not connected"
             )
         return self._pg
+
+
+def _own_client(store: Store) -> Store:
+    """A connection to ``store`` that this edge alone uses.
+
+    A TCPStore client serves one request at a time, and a ``wait`` holds it until
+    the key appears. The two edges of a rank rebuild at once on two threads; on a
+    shared client one edge's wait (for the peer's address, or for the peer to
+    arrive) kept the other edge from publishing its own, and the mirror image on
+    the peer kept both waiting until the timeout (issue 20, item 1).
+    """
+    try:
+        own: Store = store.clone()  # type: ignore[attr-defined]
+        return own
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return store  # a store type that cannot clone (e.g. a test's HashStore)
 
 
 def describe_failure(exc: BaseException) -> str:

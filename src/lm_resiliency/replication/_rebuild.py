@@ -64,25 +64,24 @@ class Rebuilds:
     ) -> None:
         self._store = PrefixStore(f"{prefix}/rebuild/", store)
         self._me = me
-        self._timeout = timedelta(seconds=timeout_s)
         self._join_timeout = timedelta(seconds=timeout_s * wait_factor)
 
     def rebuild(self, step: int, connect: Callable[[Store], Any], *, attempts: int) -> Any:
         """Join the peer for ``step``'s rebuild and return ``connect(store)``'s group.
 
         ``connect`` builds the group on the store it is given (a fresh key space
-        per attempt) and raises ``ReplicationError`` when that fails. Raises
-        ``JoinTimeout`` when the peer did not come, ``PeerGaveUp`` when it
+        per attempt) and raises ``ReplicationError`` (or Gloo's ``RuntimeError``)
+        when that fails. Raises ``JoinTimeout`` when the peer did not come, ``PeerGaveUp`` when it
         abandoned the step, ``ConnectFailed`` when ``attempts`` connects failed.
         """
-        last: ReplicationError | None = None
+        last: Exception | None = None
         for _ in range(attempts):
             attempt = self._join(step)
             keys = f"{step}/{attempt}"
             group: Any = None
             try:
                 group = connect(PrefixStore(f"{keys}/pg/", self._store))
-            except ReplicationError as exc:
+            except (ReplicationError, RuntimeError) as exc:  # ours, or Gloo's own
                 last = exc
             else:
                 last = None
@@ -133,7 +132,7 @@ class Rebuilds:
         self._store.set(f"{keys}/result{self._me}", "ok" if ok else "failed")
         peer_result = f"{keys}/result{1 - self._me}"
         try:
-            self._store.wait([peer_result], self._timeout)
+            self._store.wait([peer_result], self._join_timeout)
         except RuntimeError:
             decision = self._gone(self._me)
         else:
@@ -159,7 +158,7 @@ class Rebuilds:
 
     def _gave_up(self, mark: str, during: str) -> ReplicationError:
         if mark == self._gone(self._me):
-            seconds = self._timeout.total_seconds()
+            seconds = self._join_timeout.total_seconds()
             return JoinTimeout(f"the peer did not report its connect within {seconds:g} s")
         return PeerGaveUp(f"the peer gave up this step's transfer ({during})")
 
