@@ -112,13 +112,19 @@ def _peer_stalls(rank: int, world: int, tmp: str) -> dict:
         m.wait_persisted()
         dist.barrier()  # the training's own collectives keep ranks in step
         stopper = None
+        store = dist.distributed_c10d._get_default_store()
         if rank == 0:  # rank 1 stalls (SIGSTOP) for longer than the replication timeout
             stopped = threading.Event()
             stopper = threading.Thread(target=_stop_for, args=(pids[1], 8.0, stopped))
             stopper.start()
-            # Test plumbing: rank 1 is stopped before cycle 20 can complete (a loaded
-            # machine could otherwise run the whole cycle before the thread's kill).
+            # Test plumbing: rank 1 is stopped before its cycle 20, holding nothing that
+            # rank 0's capture might wait for (it waits on this key). Stopped at a random
+            # point, it could hold the node's memory-folder lock: rank 0's capture then
+            # waited out the stall and cycle 20 ran after it, on a loaded machine.
             stopped.wait()
+            store.set("test/stalled", "1")
+        else:
+            store.wait(["test/stalled"])
         t0 = time.monotonic()
         m.save(_state(rank, 20), 20)
         m.maybe_wait()

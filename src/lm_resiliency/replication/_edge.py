@@ -66,7 +66,7 @@ class Edge:
         self._me = 0 if rank == owner else 1
         self._pg: Any = None
         self._agreement = Rebuilds(
-            store,
+            self._store,
             self._prefix,
             me=self._me,
             timeout_s=timeout_s,
