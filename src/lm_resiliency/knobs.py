@@ -33,11 +33,6 @@ them and one huge tensor does not hold a core for a second."""
 REPLICATION_TIMEOUT_S = 60.0
 """Default bound on every replication wait (``replication_timeout_s``)."""
 
-REPLICATION_REBUILD_WAIT_FACTOR = 2.0
-"""How many ``replication_timeout_s`` the first endpoint at an edge's rebuild waits for the
-second. More than one: a peer whose last cycle failed on a timeout starts the next cycle up
-to one timeout late, and a shorter wait would miss it again and again."""
-
 REPLICATION_REBUILD_ATTEMPTS = 3
 """Connects one rebuild of a broken replication edge tries, within one cycle, once both
 endpoints have met in the store (see :mod:`lm_resiliency.replication._rebuild`)."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
 from lm_resiliency.errors import ReplicationError
-from lm_resiliency.knobs import REPLICATION_REBUILD_ATTEMPTS, REPLICATION_REBUILD_WAIT_FACTOR
+from lm_resiliency.knobs import REPLICATION_REBUILD_ATTEMPTS
 from lm_resiliency.replication._rebuild import ConnectFailed, JoinTimeout, PeerGaveUp, Rebuilds
 
 log = logging.getLogger(__name__)
@@ -65,13 +65,7 @@ class Edge:
         self._prefix = f"{prefix}/{owner}-{holder}"
         self._me = 0 if rank == owner else 1
         self._pg: Any = None
-        self._agreement = Rebuilds(
-            self._store,
-            self._prefix,
-            me=self._me,
-            timeout_s=timeout_s,
-            wait_factor=REPLICATION_REBUILD_WAIT_FACTOR,
-        )
+        self._agreement = Rebuilds(self._store, self._prefix, me=self._me, timeout_s=timeout_s)
         self.rebuilds = 0
 
     @property

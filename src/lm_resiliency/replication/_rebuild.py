@@ -11,15 +11,17 @@ job's store first, and nobody ever connects on an attempt the peer abandoned:
 * each step's rebuild of an edge has numbered *attempts*; ``current`` (an
   atomic counter) names the one to join;
 * *join*: the first endpoint to arrive waits for the second, up to
-  ``wait_factor * timeout_s`` (a peer whose last cycle ended on a timeout
-  starts the next one up to ``timeout_s`` late); the second marks the
-  attempt ``go``. A first endpoint that waited in vain marks it ``gone`` with
+  ``timeout_s``; the second marks the attempt ``go``. (No longer: a peer that
+  stalls past it finds the attempt marked ``gone`` and fails at once, so it is
+  not late for the next cycle, and a stall longer than the bound costs exactly
+  the cycle it hit.) A first endpoint that waited in vain marks it ``gone`` with
   ``compare_set``, so exactly one of the two marks wins and both read the same
   outcome: both connect, or neither does;
 * both connect a fresh Gloo group under that attempt's own keys, then publish
-  whether it worked and read the peer's result. Both ok: connected. Otherwise
-  both move to the next attempt and connect again, up to ``attempts`` times
-  within the cycle;
+  whether it worked and read the peer's result (waiting up to ``2 * timeout_s``:
+  the peer's connect may take its whole ``timeout_s`` after ours failed at once).
+  Both ok: connected. Otherwise both move to the next attempt and connect
+  again, up to ``attempts`` times within the cycle;
 * an endpoint whose transfer for a step failed for good *closes* that step:
   it marks the current attempt ``gone``, so a peer that arrives later (it
   stalled, or it was busy failing elsewhere) learns at once that nobody is
@@ -59,12 +61,13 @@ class ConnectFailed(ReplicationError):
 class Rebuilds:
     """The rebuild agreement of one edge, as seen from endpoint ``me`` (0 or 1)."""
 
-    def __init__(
-        self, store: Store, prefix: str, *, me: int, timeout_s: float, wait_factor: float
-    ) -> None:
+    def __init__(self, store: Store, prefix: str, *, me: int, timeout_s: float) -> None:
         self._store = PrefixStore(f"{prefix}/rebuild/", store)
         self._me = me
-        self._join_timeout = timedelta(seconds=timeout_s * wait_factor)
+        self._join_timeout = timedelta(seconds=timeout_s)
+        # The peer's connect started when ours did but may take its whole timeout_s after
+        # ours failed at once (a refused connect): wait for its result a bound beyond that.
+        self._settle_timeout = timedelta(seconds=2 * timeout_s)
 
     def rebuild(self, step: int, connect: Callable[[Store], Any], *, attempts: int) -> Any:
         """Join the peer for ``step``'s rebuild and return ``connect(store)``'s group.
@@ -132,7 +135,7 @@ class Rebuilds:
         self._store.set(f"{keys}/result{self._me}", "ok" if ok else "failed")
         peer_result = f"{keys}/result{1 - self._me}"
         try:
-            self._store.wait([peer_result], self._join_timeout)
+            self._store.wait([peer_result], self._settle_timeout)
         except RuntimeError:
             decision = self._gone(self._me)
         else:
@@ -158,7 +161,7 @@ class Rebuilds:
 
     def _gave_up(self, mark: str, during: str) -> ReplicationError:
         if mark == self._gone(self._me):
-            seconds = self._join_timeout.total_seconds()
+            seconds = self._settle_timeout.total_seconds()
             return JoinTimeout(f"the peer did not report its connect within {seconds:g} s")
         return PeerGaveUp(f"the peer gave up this step's transfer ({during})")
 

@@ -16,7 +16,7 @@ only a rank and its two partners, never the whole job, and needs the job's
 
 Both directions of :meth:`ReplicationChannel.exchange` run at the same time
 (the receive side on a helper thread). Every wait is bounded by ``timeout_s``,
-except an edge rebuild's wait for the peer to arrive (twice that). After a
+an edge rebuild's wait for the peer to arrive included. After a
 failure the edge involved is rebuilt by both endpoints at the start of their
 next transfer, once they agreed in the store to meet (see
 :mod:`lm_resiliency.replication._rebuild`); the failed cycle's replica is lost,
@@ -70,8 +70,8 @@ class ReplicationChannel:
 
     Arguments: ``chunk_bytes`` is the largest message (``replication_chunk_size``);
     ``max_in_flight`` chunks are outstanding per direction; ``timeout_s`` bounds
-    every single wait (connect, header, each chunk, ack), not a whole transfer
-    (a rebuild waits up to twice that for a late peer);
+    every single wait (connect, a rebuild's wait for the peer, header, each chunk,
+    ack), not a whole transfer;
     ``progress(direction, done_bytes, total_bytes)`` is called after each chunk
     from the thread running that direction.
 
