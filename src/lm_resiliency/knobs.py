@@ -33,6 +33,10 @@ them and one huge tensor does not hold a core for a second."""
 REPLICATION_TIMEOUT_S = 60.0
 """Default bound on every replication wait (``replication_timeout_s``)."""
 
+REPLICATION_REBUILD_ATTEMPTS = 3
+"""Connects one rebuild of a broken replication edge tries, within one cycle, once both
+endpoints have met in the store (see :mod:`lm_resiliency.replication._rebuild`)."""
+
 SIDECAR_RETRY_S = 2.0
 """How long a status-sidecar reader retries bytes that do not decode (a remote filesystem
 client can briefly see a half-replaced file)."""

@@ -47,7 +47,7 @@ def _partial_newer_step(rank: int, world: int) -> tuple:
             manager.maybe_wait()
         latest = manager.find_latest()
         verified_before = manager.find_latest(RecoveryMode.RECOVERY_VERIFIED)
-        manager.mark_verified(10)
+        manager.trust.mark_verified(10)
         verified = manager.find_latest(RecoveryMode.RECOVERY_VERIFIED)
         value = manager.load(latest)["t"][0].item()
         return latest, verified_before, verified, value

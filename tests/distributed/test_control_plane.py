@@ -7,7 +7,8 @@ import time
 import torch
 
 from lm_resiliency import InMemoryCkptConfig, enable_resiliency
-from lm_resiliency.errors import CollectiveTimeout
+from lm_resiliency.control import ControlPlane
+from lm_resiliency.errors import CollectiveTimeout, ConfigError, RankFailures, UnsafePathError
 from lm_resiliency.experimental import InMemoryCheckpointManager
 from lm_resiliency.knobs import MAX_WAIT_S
 from lm_resiliency.testing import run_distributed
@@ -94,9 +95,11 @@ def test_a_folder_refused_on_one_rank_fails_every_rank_at_once(tmp_path) -> None
     bad.chmod(0o777)  # others may write: refused
     env = {1: {"LM_RESILIENCY_MEMORY_FOLDER": str(bad)}}
     out = run_distributed(_one_bad_folder, 2, args=(str(tmp_path),), rank_env=env, timeout_s=60)
-    assert out[1]["type"] == "UnsafePathError" and "writable" in out[1]["error"]
-    assert out[0]["type"] == "ResiliencyError"
-    assert "cannot open the memory folders on rank(s) [1]" in out[0]["error"]
+    for rank in (0, 1):  # the same error on every rank, naming rank 1 and its refusal
+        assert out[rank]["type"] == "RankFailures", out[rank]
+        assert "cannot open the memory folders on rank(s) [1]" in out[rank]["error"]
+        assert "--- rank 1: UnsafePathError" in out[rank]["error"]
+        assert "writable" in out[rank]["error"]
     assert out[0]["after_s"] < 10  # not a timeout: the refusal was agreed at once
 
 
@@ -142,3 +145,61 @@ def _longest_bounds(rank: int, world: int, tmp: str) -> int | None:
 
 def test_the_largest_accepted_timeouts_work_with_real_gloo_ranks(tmp_path) -> None:
     assert run_distributed(_longest_bounds, 2, args=(str(tmp_path),), timeout_s=90) == [2, 2]
+
+
+def _agree_on(rank: int, world: int, kind: str) -> dict:
+    control = ControlPlane(None, timeout_s=30)
+
+    def step() -> int:
+        if kind == "raise" and rank == 2:
+            raise UnsafePathError("the folder /x is a symlink", reason="symlink", path="/x")
+        if kind == "config" and rank == 1:
+            raise ConfigError("LM_X='-1' must be >= 0; fix the environment")
+        if kind == "bug" and rank in (0, 2):
+            raise KeyError(f"k{rank}")
+        return rank * 10
+
+    try:
+        return {"result": control.agree(step, "check the thing")}
+    except RankFailures as exc:
+        cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
+        return {"type": "RankFailures", "ranks": exc.ranks, "error": str(exc), "cause": cause,
+                "types": {r: f.exc_type for r, f in exc.failures.items()}}  # fmt: skip
+    except ConfigError as exc:
+        inner = exc.__cause__
+        ranks = inner.ranks if isinstance(inner, RankFailures) else None
+        return {"type": "ConfigError", "error": str(exc), "ranks": ranks}
+    finally:
+        control.close()
+
+
+def test_agree_returns_each_ranks_result_when_every_rank_succeeds() -> None:
+    out = run_distributed(_agree_on, 3, args=("ok",), timeout_s=60)
+    assert out == [{"result": 0}, {"result": 10}, {"result": 20}]
+
+
+def test_agree_raises_rank_failures_naming_the_failed_rank_on_every_rank() -> None:
+    out = run_distributed(_agree_on, 3, args=("raise",), timeout_s=60)
+    for rank, got in enumerate(out):
+        assert got["type"] == "RankFailures" and got["ranks"] == [2], got
+        assert got["types"] == {2: "UnsafePathError"}
+        assert "cannot check the thing on rank(s) [2]" in got["error"]
+        assert "the folder /x is a symlink" in got["error"]
+        assert "Traceback" in got["error"]  # the failing rank's traceback travels
+        assert got["cause"] == ("UnsafePathError" if rank == 2 else None)
+
+
+def test_agree_names_every_failed_rank_with_its_own_error() -> None:
+    out = run_distributed(_agree_on, 3, args=("bug",), timeout_s=60)
+    for got in out:
+        assert got["type"] == "RankFailures" and got["ranks"] == [0, 2], got
+        assert got["types"] == {0: "KeyError", 2: "KeyError"}
+        assert "'k0'" in got["error"] and "'k2'" in got["error"]
+
+
+def test_agree_a_config_error_on_one_rank_is_a_config_error_on_every_rank() -> None:
+    out = run_distributed(_agree_on, 3, args=("config",), timeout_s=60)
+    for got in out:
+        assert got["type"] == "ConfigError" and got["ranks"] == [1], got
+        assert "cannot check the thing on rank(s) [1]" in got["error"]
+        assert "rank 1: ConfigError: LM_X='-1' must be >= 0; fix the environment" in got["error"]

@@ -123,8 +123,8 @@ def test_a_corrupted_newest_generation_makes_every_rank_walk_back(tmp_path) -> N
 def _verified_walk_back(rank: int, world: int, tmp: str) -> dict:
     with InMemoryCheckpointManager(_cfg(tmp, disk_flush_interval=10)) as m:
         _persisted_then_restarted(m, rank)  # only node-local files remain
-        m.mark_verified(10)
-        m.mark_verified(20)
+        m.trust.mark_verified(10)
+        m.trust.mark_verified(20)
         newest = m.find_latest(RecoveryMode.RECOVERY_VERIFIED)
         if rank == 1:  # damage rank 1's newest verified shard (its own file and the peer's copy)
             path = m.store().path_for(1, 20)
@@ -182,7 +182,7 @@ def _verified(rank: int, world: int, tmp: str) -> dict:
             closed = None
         except NoConsistentStep as exc:
             closed = str(exc)
-        m.mark_verified(10)
+        m.trust.mark_verified(10)
         for step in (20, 30):
             m.save(_state(rank, step), step)
             m.maybe_wait()

@@ -151,6 +151,49 @@ def test_a_stalled_peer_drops_that_cycle_and_keeps_the_previous_pair(tmp_path) -
         assert o["later"] == (30, 10)
 
 
+def _stall_amid_training(rank: int, world: int, tmp: str) -> dict:
+    # The plain loop: a capture every 10 steps whose replication runs in the background
+    # while the ranks keep training (a collective every step), no waits between cycles.
+    cfg = _cfg(tmp, replication_timeout_s=3, interval=10)
+    cycles = []
+    with InMemoryCheckpointManager(cfg) as m:
+        for step in range(1, 61):
+            if step % 10 == 0:
+                if step == 20:
+                    # Test plumbing: no earlier cycle in flight, so that the stall below
+                    # costs exactly cycle 20. Rank 1's training thread then stalls (a
+                    # slow batch, a long GC) past the replication timeout and arrives
+                    # at cycle 20 after rank 0 gave it up.
+                    m.wait_persisted()
+                    dist.barrier()
+                    if rank == 1:
+                        time.sleep(10.0)
+                m.save(_state(rank, step), step)  # waits for the previous cycle first
+                m.maybe_wait()
+                cycles.append((step - 10, m.replication_stats.failures))
+            dist.barrier()  # the training step's own collective
+        m.wait_persisted()
+        stats = m.replication_stats
+        return {
+            "failures_by_cycle": cycles,
+            "failures": stats.failures,
+            "replicated": stats.replicated,
+            "pair": (m.slots()["peer_current"].step, m.slots()["peer_previous"].step),
+        }
+
+
+def test_after_a_stall_amid_training_the_next_cycle_replicates_again(tmp_path) -> None:
+    # Issue 20, item 1. Before the fix the stalled rank rebuilt the edge on keys rank 0
+    # had abandoned, Gloo retried the refused connect for ~10 s, and the rank started
+    # the next cycle so late that rank 0 had given that one up too: step 30 failed as
+    # well, and in the newcomer's run replication never healed.
+    out = run_distributed(_stall_amid_training, 2, args=(str(tmp_path),), timeout_s=240)
+    for rank, o in enumerate(out):
+        assert o["failures"] == 1, (rank, o["failures_by_cycle"])  # step 20's cycle only
+        assert o["replicated"] == 5  # steps 10, 30, 40, 50, 60
+        assert o["pair"] == (60, 50)
+
+
 def _peer_dies(rank: int, world: int, tmp: str) -> dict:
     cfg = _cfg(tmp, replication_timeout_s=5)
     m = InMemoryCheckpointManager(cfg)

@@ -49,7 +49,7 @@ def _moe_scout(t: Trainer, manager: InMemoryCheckpointManager, world: int, cands
     return Scout(
         ScoutConfig(dense=every_step, optimizer=every_step),
         t.net,
-        manager=manager,
+        manager=manager.trust,
         groups=ComparisonGroups.hsdp(world, shard_size=2),  # groups [0, 2] and [1, 3]
         dynamic=catalog,
         interval=manager.config.interval,
@@ -80,7 +80,7 @@ def _dynamic_job(rank: int, world: int, tmp: str) -> dict:
                 manager.save(t.state(step), step)
                 captured[step] = digest(t.state(step))
                 scout.after_capture(step)
-            manager.wait_trust()
+            manager.trust.wait()
             r = scout.last_result
             table[step] = {
                 "status": r.status,
@@ -89,7 +89,7 @@ def _dynamic_job(rank: int, world: int, tmp: str) -> dict:
                 "verified": manager.find_latest(RecoveryMode.RECOVERY_VERIFIED),
             }
     manager.wait_persisted(timeout_s=60)
-    status = manager.store().status()
+    status = manager.store().sidecar.status()
     out = {
         "table": table,
         "captured": captured,
@@ -163,7 +163,7 @@ def _decisions(rank: int, world: int, tmp: str) -> dict:
     manager = _manager(tmp, "decisions", world)
     # Checks every step: the MLP's three layers are three recipes, so step 10 is verified
     # once each was checked clean at or after it (steps 10, 11, 12).
-    scout = Scout(ScoutConfig(interval=1), t.net, manager=manager, interval=INTERVAL)
+    scout = Scout(ScoutConfig(interval=1), t.net, manager=manager.trust, interval=INTERVAL)
     for step in range(1, 13):
         manager.maybe_wait()
         t.step()
@@ -200,7 +200,7 @@ def _decisions(rank: int, world: int, tmp: str) -> dict:
     sick = decide_recovery(manager, failure_kind="hang", scout=scout, env={})
     out["hang_sdc"] = (sick.failure_kind, sick.mode, sick.step, sick.source)
     out["hang_sdc_sweep"] = (sick.sweep.status, sick.sweep.faulty_ranks, sick.sweep.complete_cycle)
-    manager.wait_trust()
+    manager.trust.wait()
     out["after"] = decide(failure_kind="straggler", env={})  # the sweep's verdict persisted
     scout.close()
     manager.close()

@@ -43,7 +43,7 @@ def _case(rank: int, world: int, folder: str, blocks: tuple[int, ...]) -> dict:
         signal_flush=False,
     )
     manager = InMemoryCheckpointManager(cfg)
-    scout = Scout(ScoutConfig(), t.net, manager=manager, interval=INTERVAL)
+    scout = Scout(ScoutConfig(), t.net, manager=manager.trust, interval=INTERVAL)
     faults = ComputeFaults(
         [PersistentSDC(FAULTY, scout.blocks[b].module, from_step=ONSET) for b in blocks],
         rank=rank,
@@ -65,13 +65,13 @@ def _case(rank: int, world: int, folder: str, blocks: tuple[int, ...]) -> dict:
             checks[step] = (r.status, r.faulty_ranks, r.recipe.split()[0])
             verified_after[step] = scout.certifier.verified
     manager.maybe_wait()
-    manager.wait_trust()
+    manager.trust.wait()
     # The verified step lives on disk only by now (the two own slots hold 30 and 35): its
     # shard is written in the background, so wait for it before asking what is recoverable.
     manager.wait_persisted(timeout_s=60)
     verified = manager.find_latest(RecoveryMode.RECOVERY_VERIFIED)
     loaded = manager.load(verified, mode=RecoveryMode.RECOVERY_VERIFIED)
-    status = manager.store().status()
+    status = manager.store().sidecar.status()
     out = {
         "checks": checks,
         "captured": sorted(captured),
@@ -141,7 +141,7 @@ def _unreproducible(rank: int, world: int, folder: str) -> dict:
         signal_flush=False,
     )
     manager = InMemoryCheckpointManager(cfg)
-    scout = Scout(ScoutConfig(interval=1), t.net, manager=manager, interval=INTERVAL)
+    scout = Scout(ScoutConfig(interval=1), t.net, manager=manager.trust, interval=INTERVAL)
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
@@ -158,7 +158,7 @@ def _unreproducible(rank: int, world: int, folder: str) -> dict:
             scout.maybe_check(step)
         statuses.append(scout.last_result.status)
     manager.maybe_wait()
-    manager.wait_trust()
+    manager.trust.wait()
     out = {
         "statuses": statuses,
         "disabled": sorted(scout.planner.disabled),

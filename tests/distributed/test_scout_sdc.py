@@ -40,7 +40,7 @@ def _manager(tmp: str, run_id: str) -> InMemoryCheckpointManager:
 def _sdc_run(rank: int, world: int, tmp: str, faulty: int, steps: int, ddp: bool) -> dict:
     t = Trainer("gpt", rank=rank, world=world, ddp=ddp)
     manager = _manager(tmp, f"sdc-{world}")
-    scout = Scout(ScoutConfig(interval=1), t.net, manager=manager, interval=INTERVAL)
+    scout = Scout(ScoutConfig(interval=1), t.net, manager=manager.trust, interval=INTERVAL)
     assert scout.blocks[BLOCK_AT_15].module is t.model.blocks[0]
     faults = ComputeFaults(
         [PersistentSDC(rank=faulty, module=t.model.blocks[0], from_step=ONSET)], rank=rank
@@ -72,7 +72,7 @@ def _sdc_run(rank: int, world: int, tmp: str, faulty: int, steps: int, ddp: bool
         "verified": verified,
         "latest": latest,
         "bit_identical": digest(loaded) == captured[verified],
-        "verdict": manager.recovery_verdict(),
+        "verdict": manager.trust.recovery_verdict(),
         "fired": faults.fired,
     }
     scout.close()
@@ -122,7 +122,7 @@ def run(world: int, faulty: int, tmp: Path, *, steps: int, ddp: bool) -> list[di
 def _straggler(rank: int, world: int, tmp: str) -> dict:
     t = Trainer("gpt", rank=rank, world=world, ddp=False)
     manager = _manager(tmp, "straggler")
-    scout = Scout(ScoutConfig(), t.net, manager=manager, interval=2)
+    scout = Scout(ScoutConfig(), t.net, manager=manager.trust, interval=2)
     # The first check replays block 0 (the token embedding): rank 2 is slow there.
     faults = ComputeFaults(
         [SlowRank(rank=2, module=scout.blocks[0].module, from_step=1, delay_s=0.1)], rank=rank

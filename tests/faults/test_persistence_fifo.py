@@ -49,7 +49,7 @@ def test_fifo_status_sidecars_are_refused_not_waited_on(
 ) -> None:
     store = _store(tmp_path)
     _write(store, 2)
-    store.mark_verified(2)
+    store.sidecar.mark_verified(2)
     store.close()
     own = store.topology_path / "status-rank-0.json"
     peer = store.topology_path / "status-rank-1.json"  # another rank's, on the same node
@@ -61,11 +61,11 @@ def test_fifo_status_sidecars_are_refused_not_waited_on(
     assert "is a FIFO" in caplog.text
     assert reopened.steps(0) == [2]
     with pytest.raises(SidecarUnavailable) as info:
-        reopened.read_status(1)
+        reopened.sidecar.read_status(1)
     assert info.value.reason == "not_a_file" and info.value.path == str(peer)
     assert main(["inspect", str(tmp_path)]) == 1
     assert f"problem: status sidecar {peer} is unusable (not_a_file)" in capsys.readouterr().out
-    reopened.mark_candidate(2)  # its own sidecar is a real file again after an update
+    reopened.sidecar.mark_candidate(2)  # its own sidecar is a real file again after an update
     assert own.is_file()
     reopened.close()
 

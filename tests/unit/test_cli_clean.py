@@ -86,9 +86,9 @@ def test_inspect_shows_each_generations_trust_and_why(
         m.save({"w": torch.full((100,), float(step)), "step": step}, step)
         m.maybe_wait()
     m.wait_persisted()
-    m.mark_verified(10)
-    m.reject(20, reason="SCOUT at step 20: group [0, 1] inconclusive")
-    m.require_verified_recovery(20, reason="SDC at step 20")
+    m.trust.mark_verified(10)
+    m.trust.reject(20, reason="SCOUT at step 20: group [0, 1] inconclusive")
+    m.trust.require_verified_recovery(20, reason="SDC at step 20")
     m.wait_persisted()
     m.close(finished=False)
     assert (

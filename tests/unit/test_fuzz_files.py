@@ -51,7 +51,7 @@ def _genuine(root: Path) -> tuple[ShardStore, Path, torch.Tensor]:
     path = store.write(
         owner_rank=0, step=4, layout=layout, arena=arena, state_document={"schema": "x"}
     )
-    store.mark_verified(4, (0,))
+    store.sidecar.mark_verified(4, (0,))
     return store, path, arena
 
 

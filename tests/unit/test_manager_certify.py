@@ -38,11 +38,11 @@ def test_certified_steps_are_persisted_with_their_trust_and_survive_a_restart(
     for step in (10, 20, 30):
         m.save(_state(step), step)
         if step in trust:
-            m.certify(step, trust[step])  # the capture is still in flight
+            m.trust.certify(step, trust[step])  # the capture is still in flight
         m.maybe_wait()
     assert m.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10  # memory: at once
-    m.reject(20, reason="sdc on rank 1")
-    m.require_verified_recovery(40, reason="sdc on rank 1 at step 40")
+    m.trust.reject(20, reason="sdc on rank 1")
+    m.trust.require_verified_recovery(40, reason="sdc on rank 1 at step 40")
     assert m.wait_persisted(timeout_s=30)
     # Step 30 was neither certified nor due for a periodic flush: never written.
     assert _trust_on_disk(tmp_path) == {10: "recovery_verified", 20: "candidate"}
@@ -53,33 +53,33 @@ def test_certified_steps_are_persisted_with_their_trust_and_survive_a_restart(
 
     # A new process: it re-attaches the memory slots (20 and 30) and reads the trust records.
     fresh = InMemoryCheckpointManager(_cfg(tmp_path))
-    assert fresh.recovery_verdict() == RecoveryVerdict(40, "sdc on rank 1 at step 40")
+    assert fresh.trust.recovery_verdict() == RecoveryVerdict(40, "sdc on rank 1 at step 40")
     assert fresh.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10
     assert fresh.find_latest() == 30  # the newest capture, never certified
     state = fresh.load(10, mode=RecoveryMode.RECOVERY_VERIFIED)
     assert torch.equal(state["w"], _state(10)["w"])
-    fresh.clear_recovery_verdict()
-    assert fresh.wait_trust(timeout_s=30)
+    fresh.trust.clear_recovery_verdict()
+    assert fresh.trust.wait(timeout_s=30)
     fresh.close(finished=False)
     again = InMemoryCheckpointManager(_cfg(tmp_path))
-    assert again.recovery_verdict() is None
+    assert again.trust.recovery_verdict() is None
     again.close()
 
 
 def test_promotion_needs_no_second_write_and_unverified_is_refused(tmp_path: Path) -> None:
     with InMemoryCheckpointManager(_cfg(tmp_path)) as m:
         m.save(_state(10), 10)
-        m.certify(10, TrustStatus.CANDIDATE)  # capture possibly still in flight
+        m.trust.certify(10, TrustStatus.CANDIDATE)  # capture possibly still in flight
         m.maybe_wait()
-        m.certify(10, TrustStatus.RECOVERY_VERIFIED, persist=False)
+        m.trust.certify(10, TrustStatus.RECOVERY_VERIFIED, persist=False)
         assert m.wait_persisted(timeout_s=30)
         # One write; its header has the trust known when it ran (candidate or already verified).
         assert m.flush_stats.written == 1
         assert _trust_on_disk(tmp_path)[10] in {"candidate", "recovery_verified"}
-        assert m.store().status().verified_history == (10,)
+        assert m.store().sidecar.status().verified_history == (10,)
         assert m.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10
         with pytest.raises(ValueError, match="not UNVERIFIED"):
-            m.certify(10, TrustStatus.UNVERIFIED)
+            m.trust.certify(10, TrustStatus.UNVERIFIED)
 
 
 def test_trust_report_shows_each_generation_as_inspect_would(tmp_path: Path) -> None:
@@ -97,14 +97,14 @@ def test_trust_report_shows_each_generation_as_inspect_would(tmp_path: Path) -> 
         m.maybe_wait()
         for step, trust in ((10, TrustStatus.RECOVERY_VERIFIED), (20, TrustStatus.CANDIDATE)):
             m.save(_state(step), step)
-            m.certify(step, trust)
+            m.trust.certify(step, trust)
             m.maybe_wait()
-        m.certify(20, TrustStatus.RECOVERY_VERIFIED, persist=False)  # promoted
+        m.trust.certify(20, TrustStatus.RECOVERY_VERIFIED, persist=False)  # promoted
         m.save(_state(30), 30)
-        m.certify(30, TrustStatus.CANDIDATE)
+        m.trust.certify(30, TrustStatus.CANDIDATE)
         m.maybe_wait()
-        m.reject(30, reason="SCOUT at step 40: group [0, 1, 2] dense: SDC on ranks [1]")
-        m.require_verified_recovery(40, reason="SDC on ranks [1]")
+        m.trust.reject(30, reason="SCOUT at step 40: group [0, 1, 2] dense: SDC on ranks [1]")
+        m.trust.require_verified_recovery(40, reason="SDC on ranks [1]")
         assert m.wait_persisted(timeout_s=30)
     (topo,) = trust_report(tmp_path)
     got = {g.step: (g.trust, g.why) for g in topo.generations}

@@ -31,8 +31,8 @@ def _populate(root: Path) -> ShardStore:
                 state_document=encode_state({"w": torch.empty(1024)}).document,
                 trust=trust,
             )
-    store.mark_verified(10)
-    store.mark_candidate(20)
+    store.sidecar.mark_verified(10)
+    store.sidecar.mark_candidate(20)
     store.close()
     return store
 

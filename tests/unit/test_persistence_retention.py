@@ -50,10 +50,10 @@ def test_the_oldest_candidate_newer_than_the_verified_step_survives(tmp_path: Pa
     for step in (20, 30, 40, 50):
         _write(store, step, trust=TrustStatus.CANDIDATE)
     assert store.steps(0) == [10, 20, 40, 50]
-    store.mark_verified(20)  # promoted: 30 is gone, 40 is now the oldest candidate
+    store.sidecar.mark_verified(20)  # promoted: 30 is gone, 40 is now the oldest candidate
     _write(store, 60, trust=TrustStatus.CANDIDATE)
     assert store.steps(0) == [20, 40, 50, 60]
-    store.mark_rejected(40, "SDC")  # a rejected candidate is no longer protected
+    store.sidecar.mark_rejected(40, "SDC")  # a rejected candidate is no longer protected
     _write(store, 70, trust=TrustStatus.CANDIDATE)
     assert store.steps(0) == [20, 50, 60, 70]
 
@@ -97,11 +97,11 @@ def test_newest_verified_generation_survives(tmp_path: Path) -> None:
     store = _store(tmp_path)
     _write(store, 1)
     _write(store, 2)
-    store.mark_verified(2)
+    store.sidecar.mark_verified(2)
     for step in range(3, 7):
         _write(store, step)
     assert store.steps(0) == [2, 5, 6]
-    store.mark_verified(5)
+    store.sidecar.mark_verified(5)
     _write(store, 7)
     assert store.steps(0) == [5, 6, 7]  # 2 is no longer the newest verified
     _write(store, 8)
@@ -161,10 +161,10 @@ def test_recycled_files_shrink_and_grow_correctly(tmp_path: Path) -> None:
 def test_verified_history_is_bounded(tmp_path: Path) -> None:
     store = _store(tmp_path, history_limit=4)
     for step in range(1, 11):
-        store.mark_verified(step * 10)
-    status = store.status()
+        store.sidecar.mark_verified(step * 10)
+    status = store.sidecar.status()
     assert status.verified_history == (70, 80, 90, 100) and status.verified_step == 100
-    on_disk = store.read_status(0)
+    on_disk = store.sidecar.read_status(0)
     assert on_disk == status
 
 
@@ -172,11 +172,11 @@ def test_sidecar_records_candidate_verified_and_persisted(tmp_path: Path) -> Non
     store = _store(tmp_path)
     _write(store, 10)
     _write(store, 10, owner=4)
-    store.mark_candidate(10)
-    assert store.status().candidate_step == 10
-    store.mark_verified(10)  # promotion clears the candidate
-    store.mark_candidate(20)
-    status = _store(tmp_path).status()  # reloaded from disk by a new store
+    store.sidecar.mark_candidate(10)
+    assert store.sidecar.status().candidate_step == 10
+    store.sidecar.mark_verified(10)  # promotion clears the candidate
+    store.sidecar.mark_candidate(20)
+    status = _store(tmp_path).sidecar.status()  # reloaded from disk by a new store
     assert status.candidate_step == 20
     assert status.verified_step == 10 and status.verified_history == (10,)
     assert status.persisted == {0: 10, 4: 10} and status.persisted_step == 10

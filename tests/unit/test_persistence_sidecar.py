@@ -24,9 +24,9 @@ _WRITER = textwrap.dedent(
     store = ShardStore(sys.argv[1], run_id="r", topology="t", rank=0, verify_integrity=True)
     print("ready", flush=True)
     for step in range(1, int(sys.argv[2]) + 1):
-        store.mark_candidate(step)
+        store.sidecar.mark_candidate(step)
         if step % 50 == 0:
-            store.mark_verified(step - 25)  # an older step: the candidate stays
+            store.sidecar.mark_verified(step - 25)  # an older step: the candidate stays
     """
 )
 
@@ -54,7 +54,7 @@ def test_reader_never_sees_a_partial_sidecar_while_another_process_replaces_it(
     assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
     seen: list[int] = []
     while writer.poll() is None:
-        status = reader.read_status(0)
+        status = reader.sidecar.read_status(0)
         if status is not None:
             assert (status.run_id, status.topology, status.rank) == ("r", "t", 0)
             assert status.candidate_step is not None
@@ -63,7 +63,7 @@ def test_reader_never_sees_a_partial_sidecar_while_another_process_replaces_it(
                 assert status.verified_step % 50 == 25
                 assert status.verified_history[-1] == status.verified_step
     assert writer.wait(timeout=120) == 0
-    final = reader.read_status(0)
+    final = reader.sidecar.read_status(0)
     assert final is not None and final.candidate_step == WRITES
     assert final.verified_history == tuple(range(25, WRITES, 50))[-16:]
     assert seen == sorted(seen)  # replacements are observed in order, never torn
@@ -72,7 +72,7 @@ def test_reader_never_sees_a_partial_sidecar_while_another_process_replaces_it(
 
 def test_reader_retries_an_undecodable_sidecar_until_it_becomes_valid(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    store.mark_candidate(5)
+    store.sidecar.mark_candidate(5)
     path = store.topology_path / "status-rank-0.json"
     good = path.read_bytes()
     path.write_bytes(good[: len(good) // 2])  # what a remote client may briefly observe
@@ -84,18 +84,18 @@ def test_reader_retries_an_undecodable_sidecar_until_it_becomes_valid(tmp_path: 
     healer = threading.Thread(target=heal)
     healer.start()
     reader = _store(tmp_path, rank=1, retry_s=60.0)
-    status = reader.read_status(0)
+    status = reader.sidecar.read_status(0)
     healer.join()
     assert status is not None and status.candidate_step == 5
 
 
 def test_persistently_malformed_sidecar_fails_closed(tmp_path: Path) -> None:
     store = _store(tmp_path, retry_s=0.2)
-    store.mark_candidate(5)
+    store.sidecar.mark_candidate(5)
     path = store.topology_path / "status-rank-0.json"
     path.write_bytes(b'{"kind": "lm_resiliency.st\xff')
     with pytest.raises(SidecarUnavailable) as info:
-        store.read_status(0)
+        store.sidecar.read_status(0)
     assert info.value.reason == "malformed" and "stayed undecodable" in str(info.value)
 
 
@@ -121,23 +121,24 @@ def test_decoded_mismatch_fails_closed_without_retrying(
     tmp_path: Path, changes: dict, reason: str
 ) -> None:
     store = _store(tmp_path, retry_s=3600.0)  # a retry would hit the test timeout
-    store.mark_verified(10)
+    store.sidecar.mark_verified(10)
     _rewrite(store.topology_path / "status-rank-0.json", **changes)
     with pytest.raises(SidecarUnavailable) as info:
-        store.read_status(0)
+        store.sidecar.read_status(0)
     assert info.value.reason == reason
     assert "treated as unknown" in str(info.value)
 
 
 def test_damaged_own_sidecar_is_not_trusted_at_construction(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    store.mark_verified(10)
+    store.sidecar.mark_verified(10)
     _rewrite(store.topology_path / "status-rank-0.json", run_id="other")
     fresh = _store(tmp_path, retry_s=0.0)
-    assert fresh.status().verified_history == ()  # unknown, never inherited
-    fresh.mark_verified(20)
-    assert fresh.read_status(0) is not None and fresh.read_status(0).verified_history == (20,)
+    assert fresh.sidecar.status().verified_history == ()  # unknown, never inherited
+    fresh.sidecar.mark_verified(20)
+    on_disk = fresh.sidecar.read_status(0)
+    assert on_disk is not None and on_disk.verified_history == (20,)
 
 
 def test_missing_sidecar_reads_as_none(tmp_path: Path) -> None:
-    assert _store(tmp_path).read_status(7) is None
+    assert _store(tmp_path).sidecar.read_status(7) is None

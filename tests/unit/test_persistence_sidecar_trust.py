@@ -23,8 +23,8 @@ def _doc(store: ShardStore) -> dict:
 
 def test_a_record_without_the_new_fields_is_still_written_as_version_1(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    store.mark_verified(10)
-    store.mark_candidate(20)
+    store.sidecar.mark_verified(10)
+    store.sidecar.mark_candidate(20)
     doc = _doc(store)
     assert doc["version"] == 1 and "rejected" not in doc and "verdict" not in doc
 
@@ -43,7 +43,7 @@ def test_version_1_file_of_today_reads_with_no_rejections_and_no_verdict(tmp_pat
         "persisted": {"0": 30},
     }
     path.write_text(json.dumps(v1))
-    status = _store(tmp_path, rank=1).read_status(0)
+    status = _store(tmp_path, rank=1).sidecar.read_status(0)
     assert status is not None
     assert (status.candidate_step, status.verified_history, status.persisted) == (
         30,
@@ -55,35 +55,35 @@ def test_version_1_file_of_today_reads_with_no_rejections_and_no_verdict(tmp_pat
 
 def test_rejection_and_verdict_round_trip_as_version_2(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    store.mark_verified(10)
-    store.mark_candidate(20)
-    store.mark_rejected(20, "sdc on rank 1 at step 30")
-    store.set_verdict(RecoveryVerdict(step=30, reason="sdc on rank 1"))
+    store.sidecar.mark_verified(10)
+    store.sidecar.mark_candidate(20)
+    store.sidecar.mark_rejected(20, "sdc on rank 1 at step 30")
+    store.sidecar.set_verdict(RecoveryVerdict(step=30, reason="sdc on rank 1"))
     doc = _doc(store)
     assert doc["version"] == 2
     assert doc["rejected"] == [{"step": 20, "reason": "sdc on rank 1 at step 30"}]
     assert doc["verdict"] == {"mode": "recovery_verified", "step": 30, "reason": "sdc on rank 1"}
-    back = _store(tmp_path, rank=1).read_status(0)
+    back = _store(tmp_path, rank=1).sidecar.read_status(0)
     assert back is not None
     assert back.candidate_step is None and back.verified_history == (10,)
     assert back.rejected == ((20, "sdc on rank 1 at step 30"),)
     assert back.verdict == RecoveryVerdict(step=30, reason="sdc on rank 1")
     # A fresh store of the same rank inherits the verdict (a restarted job sees it).
-    assert _store(tmp_path).status().verdict == back.verdict
+    assert _store(tmp_path).sidecar.status().verdict == back.verdict
 
 
 def test_rejecting_a_verified_step_removes_it_and_a_new_capture_clears_the_rejection(
     tmp_path: Path,
 ) -> None:
     store = _store(tmp_path)
-    store.mark_verified(10)
-    store.mark_verified(20)
-    status = store.mark_rejected(20, "why")
+    store.sidecar.mark_verified(10)
+    store.sidecar.mark_verified(20)
+    status = store.sidecar.mark_rejected(20, "why")
     assert status.verified_history == (10,) and status.verified_step == 10
-    status = store.mark_candidate(20)  # the same step number captured again after a rewind
+    status = store.sidecar.mark_candidate(20)  # the same step number captured again after a rewind
     assert status.rejected == () and status.candidate_step == 20
-    store.set_verdict(RecoveryVerdict(step=5, reason="x"))
-    assert store.set_verdict(None).verdict is None
+    store.sidecar.set_verdict(RecoveryVerdict(step=5, reason="x"))
+    assert store.sidecar.set_verdict(None).verdict is None
     assert _doc(store)["version"] == 1
 
 
@@ -101,24 +101,24 @@ def test_rejecting_a_verified_step_removes_it_and_a_new_capture_clears_the_rejec
 )
 def test_malformed_version_2_fields_fail_closed(tmp_path: Path, changes: dict) -> None:
     store = _store(tmp_path)
-    store.mark_rejected(4, "why")
+    store.sidecar.mark_rejected(4, "why")
     path = store.topology_path / "status-rank-0.json"
     doc = json.loads(path.read_text())
     doc.update(changes)
     path.write_text(json.dumps(doc))
     with pytest.raises(SidecarUnavailable) as info:
-        store.read_status(0)
+        store.sidecar.read_status(0)
     assert info.value.reason == "schema"
 
 
 def test_unordered_rejections_fail_closed_as_a_trust_mismatch(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    store.mark_rejected(4, "a")
-    store.mark_rejected(8, "b")
+    store.sidecar.mark_rejected(4, "a")
+    store.sidecar.mark_rejected(8, "b")
     path = store.topology_path / "status-rank-0.json"
     doc = json.loads(path.read_text())
     doc["rejected"].reverse()
     path.write_text(json.dumps(doc))
     with pytest.raises(SidecarUnavailable) as info:
-        store.read_status(0)
+        store.sidecar.read_status(0)
     assert info.value.reason == "trust"

@@ -106,7 +106,7 @@ def test_a_damaged_sidecar_never_costs_the_verified_generation(
     disk = tmp_path / "disk"
     m = InMemoryCheckpointManager(_cfg(disk))
     _train(m, range(1, 11))
-    m.mark_verified(10)
+    m.trust.mark_verified(10)
     (sidecar,) = disk.glob("run-*/topo-*/status-rank-0.json")
     sidecar.write_text('{"kind": "lm_resiliency.status", "garbage": ')
     m.close(finished=False)
@@ -117,7 +117,7 @@ def test_a_damaged_sidecar_never_costs_the_verified_generation(
         _train(again, range(11, 41))  # keep_generations=1 retires 20 and 30, never 10
     assert "rebuilt it from the shards' own metadata (verified steps [10])" in caplog.text
     assert _on_disk(disk) == [10, 40]
-    verdict = again.recovery_verdict()  # what SCOUT kept there is unknown: stay conservative
+    verdict = again.trust.recovery_verdict()  # what SCOUT kept there is unknown: stay conservative
     assert verdict is not None and "damaged and rebuilt" in verdict.reason
     assert again.find_latest(RecoveryMode.RECOVERY_VERIFIED) == 10
     again.close(finished=False)
@@ -140,9 +140,9 @@ def test_a_rejected_step_loses_its_trust_marker(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     m = InMemoryCheckpointManager(_cfg(disk, keep_generations=3))
     _train(m, range(1, 21))
-    m.mark_verified(20)
+    m.trust.mark_verified(20)
     assert list(disk.glob("run-*/topo-*/step-20/trust-rank-0.json"))
-    m.reject(20, reason="SCOUT: inconclusive")
+    m.trust.reject(20, reason="SCOUT: inconclusive")
     m.wait_persisted()
     assert not list(disk.glob("run-*/topo-*/step-20/trust-rank-*.json"))
     m.close(finished=False)

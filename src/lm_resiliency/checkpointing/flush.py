@@ -142,6 +142,16 @@ class DiskFlusher:
         return True
 
 
+def flush_due(step: int, previous: int | None, *, every: int, interval: int) -> bool:
+    """Whether the capture of ``step`` is persisted: a multiple of ``every``
+    (``disk_flush_interval``) lies in (previous capture, this capture]; interval 5
+    and flush 10 persist 10, 20, 30... ``every=0`` never persists."""
+    if not every:
+        return False
+    before = previous if previous is not None else step - interval
+    return step // every > max(before, -1) // every
+
+
 def consistent_newest(own: Sequence[Slot], held: Sequence[Slot]) -> list[Slot]:
     """What an exit flush persists, most important first.
 

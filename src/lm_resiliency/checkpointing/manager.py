@@ -31,52 +31,41 @@ comes from memory, not disk.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-import sys
-import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 
-from lm_resiliency.capture.engine import Adopted, CaptureEngine, CaptureStats
+from lm_resiliency.capture.engine import CaptureEngine, CaptureStats
 from lm_resiliency.capture.slot import ANONYMOUS, ArenaBacking, Slot
-from lm_resiliency.checkpointing.flush import DiskFlusher, ExitFlush, FlushStats, consistent_newest
+from lm_resiliency.checkpointing.disk import LocalDisk
+from lm_resiliency.checkpointing.exit import ExitGuard
+from lm_resiliency.checkpointing.flush import DiskFlusher, FlushStats, flush_due
 from lm_resiliency.checkpointing.history import History
-from lm_resiliency.checkpointing.peer import PeerReplicas, ReplicationStats
-from lm_resiliency.checkpointing.restore import RecoveryReport, Restorer
-from lm_resiliency.checkpointing.setup import describe_plan, disk_topologies, memory_tier, preflight
-from lm_resiliency.checkpointing.trust_writer import TrustWriter
+from lm_resiliency.checkpointing.peer import ReplicationStats
+from lm_resiliency.checkpointing.restore import RecoveryReport, Restorer, SourceSet
+from lm_resiliency.checkpointing.setup import (
+    Parts,
+    agree_identity,
+    disk_topologies,
+    memory_publisher,
+    memory_tier,
+    reattach,
+    replicas,
+)
+from lm_resiliency.checkpointing.trust import TrustLedger
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.control import ControlPlane
 from lm_resiliency.distributed import restart_count
-from lm_resiliency.errors import CaptureError, ConfigError, ResiliencyError, UnsafePathError
-from lm_resiliency.memory import MemoryTier
-from lm_resiliency.persistence import (
-    RecoveryVerdict,
-    ShardStore,
-    TrustStatus,
-    agree_job_fingerprint,
-    install_flush_on_signal,
-    resolve_run_id,
-    topology_fingerprint,
-)
-from lm_resiliency.persistence import namespace as ns
-from lm_resiliency.persistence.disk_lock import DiskLock
+from lm_resiliency.errors import ResiliencyError, UnsafePathError
+from lm_resiliency.persistence import ShardStore
 from lm_resiliency.persistence.format import check_storable
 from lm_resiliency.persistence.lineage import Lineage
-from lm_resiliency.recovery.availability import Report, Source
-from lm_resiliency.recovery.fetch import FetchContext
 from lm_resiliency.recovery.mode import RecoveryMode
-from lm_resiliency.recovery.sources import DiskShards, MemorySlots, NoSource, StepSource
-from lm_resiliency.replication import ReplicationChannel
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 __all__ = ["InMemoryCheckpointManager", "RecoveryReport"]
 
@@ -106,88 +95,40 @@ class InMemoryCheckpointManager:
         load_fallback: Callable[[], Any] | None = None,
     ) -> None:
         self.config = cfg = config or InMemoryCkptConfig()
-        self._distributed = dist.is_available() and dist.is_initialized()
-        self.group = (
-            group if group is not None else (dist.group.WORLD if self._distributed else None)
-        )
+        distributed = dist.is_available() and dist.is_initialized()
+        self.group = group if group is not None else (dist.group.WORLD if distributed else None)
         self.load_fallback = load_fallback
         self.last_recovery: RecoveryReport | None = None
         self._closed = False
-        self._verified: set[int] = set()
-        # Certification by SCOUT (see certify/reject): memory now, disk in the background.
-        self._candidates: set[int] = set()
-        self._persist_requested: set[int] = set()
-        self._verdict: RecoveryVerdict | None = None
-        self._trust_lock = threading.Lock()
         self._last_capture: int | None = None
-        self._handovers: list[Callable[[], object]] = []
-        """Own-memory slots the last ``load`` used, handed over at ``commit_recovery``."""
-        self._other_topologies: list[str] = []
-        """Namespaces of this run for another topology (another world size or pairing)."""
-        self.control = ControlPlane(self.group, timeout_s=cfg.control_timeout_s)
-        self.rank = self.control.rank
-        self._trust_writer = TrustWriter(self.rank)
-        self.world_size = self.control.world_size
-        self.hsdp = cfg.skip_replication_if_hsdp and hsdp_replicated
-        self.plan = self._agreed(
-            "check this rank's environment",
-            lambda: preflight(
+        self._handovers: list[Callable[[], object]] = []  # of the last load: see commit_recovery
+        other_topologies: list[str] = []  # this run's namespaces for another world size or pairing
+        self.control = control = ControlPlane(self.group, timeout_s=cfg.control_timeout_s)
+        self.rank, self.world_size = rank, _world = control.rank, control.world_size
+        self.hsdp = hsdp = cfg.skip_replication_if_hsdp and hsdp_replicated
+        ident = agree_identity(control, cfg, hsdp=hsdp, replica_ranks=replica_ranks)
+        self.plan, self.run_id, self.topology = ident.plan, ident.run_id, ident.topology
+        plan, serves = ident.plan, ident.serves
+        self.tier = control.agree(
+            lambda: memory_tier(
                 cfg,
-                rank=self.rank,
-                world_size=self.world_size,
-                hsdp=self.hsdp,
-                replica_ranks=replica_ranks,
+                run_id=self.run_id,
+                topology=self.topology,
+                rank=rank,
+                peer_owner=None if hsdp else serves,
+                superseded=other_topologies,
             ),
-        )
-        with self.control.op("agree the run id"):
-            self.run_id = resolve_run_id(cfg.run_id, group=self.control.group)
-        if self.rank == 0:
-            log.info("GEMINI replication: %s", describe_plan(self.plan, hsdp=self.hsdp))
-        pairs = self.plan.table() if self.plan is not None else []
-        group_fp = topology_fingerprint(list(range(self.world_size)), pairs)
-        with self.control.op("agree the topology"):
-            self.topology = agree_job_fingerprint(group_fp, group=self.control.group)
-        self.tier = self._agreed(
             "open the memory folders",
-            lambda: (
-                memory_tier(
-                    cfg,
-                    run_id=self.run_id,
-                    topology=self.topology,
-                    rank=self.rank,
-                    peer_owner=None if self.hsdp else self._serves_owner(),
-                    superseded=self._other_topologies,
-                )
-                if cfg.enable
-                else None
-            ),
         )
         backing: ArenaBacking = self.tier if self.tier is not None else ANONYMOUS
-        channel = None
-        if self.plan is not None and self.plan.has_peer and cfg.enable:
-            channel = ReplicationChannel(
-                self.plan,
-                run_id=self.run_id,
-                rank=self.rank,
-                chunk_bytes=cfg.replication_chunk_size,
-                timeout_s=cfg.replication_timeout_s,
-            )
-        self._channel = channel
-        self._peer: PeerReplicas | None = None
-        if channel is not None and self.plan is not None and not self.hsdp:
-            self._peer = PeerReplicas(
-                channel,
-                self.plan,
-                rank=self.rank,
-                run_id=self.run_id,
-                pin_memory=cfg.pin_memory,
-                backing=backing,
-            )
-        self._store: ShardStore | None = None
-        self._disk_lock: DiskLock | None = None
-        self._store_lock = threading.Lock()
-        self._flusher = DiskFlusher(self.store, trust=self._trust)
-        self._engine = CaptureEngine(
+        self._channel, self._peer = channel, peer = replicas(
+            cfg, plan, run_id=self.run_id, rank=self.rank, hsdp=self.hsdp, backing=backing
+        )
+        self._disk = disk = LocalDisk(cfg, run_id=self.run_id, topology=self.topology, rank=rank)
+        # SCOUT's TrustSink (detection/certify.py) for this rank's captures:
+        self.trust = trust = TrustLedger(rank, disk, serves_owner=serves, persist=self._persist)
+        self._flusher = flusher = DiskFlusher(disk.store, trust=trust.trust_of)
+        self._engine = engine = CaptureEngine(
             rank=self.rank,
             pin_memory=cfg.pin_memory,
             rate_limit_bytes_per_s=cfg.copy_rate_limit_bytes_per_s,
@@ -196,124 +137,35 @@ class InMemoryCheckpointManager:
             plan_arenas=self.tier.plan if self.tier is not None else None,
             check_layout=check_storable,
         )
-        local = self._agreed("attach memory slots and open node-local folders", self._open_local)
-        self.history = History.agree(
-            local, control=self.control, run_id=self.run_id, resume=cfg.resume
+        local = control.agree(self._open_local, "attach memory slots and open node-local folders")
+        self.history = history = History.agree(
+            local, control=control, run_id=self.run_id, resume=cfg.resume
         )
         if self.tier is not None:
-            tier = self.tier
-            self.history.add_publisher(lambda lin, tl: self._publish_memory(tier, lin, tl))
-        if self._store is not None:
-            opened = self._store
-            self.history.add_publisher(opened.set_lineage)
+            history.add_publisher(memory_publisher(self.tier))
+        disk.when_open(lambda store: history.add_publisher(store.set_lineage))
+        parts = Parts(self.tier, channel, peer, disk, trust, flusher, engine)
+        sources = SourceSet(
+            parts, control=control, run_id=self.run_id, plan=plan, hsdp=hsdp, history=history
+        )
         self._restorer = Restorer(
-            control=self.control,
-            report=self._report,
-            context=self._fetch_context,
-            holder_of=self._holder_of,
+            sources,
             restarted=(restart_count() or 0) > 0,
-            other_topologies=self._other_topologies
+            other_topologies=other_topologies
             + disk_topologies(cfg.disk_folder, self.run_id, self.topology),
         )
-        self._exit_flush = ExitFlush(
-            self._flush_consistent, deadline_s=cfg.signal_flush_deadline_s, after=self._after_flush
-        )
-        # A process that ends without close() (a survivor leaving on its collective error)
-        # must stop our background threads before the interpreter tears torch down, or the
-        # C++ runtime aborts the exit; the memory slots stay for the restarted worker.
-        atexit.register(self._stop_threads)
-        self._signal = None
-        self._excepthook: Any = None
-        if cfg.enable and cfg.signal_flush:
-            if threading.current_thread() is threading.main_thread():
-                self._signal = install_flush_on_signal(
-                    self._exit_flush.run,
-                    deadline_s=cfg.signal_flush_deadline_s,
-                    busy=self._exit_flush.busy_on_main_thread,
-                )
-                self._install_excepthook()
-            else:
-                log.info("manager built off the main thread: no SIGTERM/SIGINT flush installed")
+        self._exit = ExitGuard(cfg, control, parts)
 
     # ------------------------------------------------------------------ construction
-    def _agreed(self, what: str, fn: Callable[[], _T]) -> _T:
-        """Run a local setup step on every rank; if it fails on any rank, raise on every rank.
-
-        A folder refused on one rank (another user's, a link, a damaged manifest)
-        must not leave the other ranks waiting in the next collective. When every
-        refusal is a ``ConfigError`` (a bad environment variable on one rank), the
-        other ranks raise a ``ConfigError`` too, naming the ranks and their errors.
-        """
-        error = ""
-        result = None
-        mine: BaseException | None = None
-        try:
-            result = fn()
-        except (ResiliencyError, OSError) as exc:
-            error, mine = f"{type(exc).__name__}: {exc}", exc
-        errors = self.control.all_gather_bytes(error.encode(), name=what)
-        failed = {r: e.decode() for r, e in enumerate(errors) if e}
-        if mine is not None:
-            raise mine  # this rank's own error, with its type; the others name this rank
-        if failed:
-            lines = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
-            config = all(e.startswith(f"{ConfigError.__name__}: ") for e in failed.values())
-            kind = ConfigError if config else ResiliencyError
-            raise kind(f"cannot {what} on rank(s) {sorted(failed)}: {lines}")
-        return result  # type: ignore[return-value]
-
     def _open_local(self) -> list[Lineage | None]:
-        self._attach()
-        return self._local_lineages()
-
-    def _attach(self) -> None:
-        """Re-attach to the committed slots an earlier process of this rank left on this node."""
-        if self.tier is None:
-            return
-        attached, problems = self.tier.attach(pin=self.config.pin_memory)
-        for line in problems:
-            if "(not_committed)" in line:  # the previous process died mid-capture: routine
-                log.info("rank %d: not using a capture the previous process left half-written "
-                         "(%s)", self.rank, line)  # fmt: skip
-            else:
-                log.warning("rank %d: ignoring %s", self.rank, line)
-        own: list[Adopted] = []
-        held: list[Adopted] = []
-        for a, handle in attached:
-            r = a.record
-            adopted = Adopted(a.slot_name, handle, r.layout, r.step, r.state, r.timeline, r.crcs)
-            (own if r.identity.role == "own" else held).append(adopted)
-        self._engine.adopt(own)
-        if self._peer is not None:
-            self._peer.adopt(held)
-        else:
-            for h in held:
-                h.handle.release()
-        if attached:
-            log.info(
-                "rank %d: re-attached memory slots: own %s, held %s",
-                self.rank,
-                sorted(a.step for a in own),
-                sorted(a.step for a in held),
-            )
-
-    def _local_lineages(self) -> list[Lineage | None]:
+        """Re-attach this rank's memory slots; read the lineages this node keeps."""
+        reattach(self.tier, self._engine, self._peer, rank=self.rank, pin=self.config.pin_memory)
         found: list[Lineage | None] = []
         if self.tier is not None:
             found.append(self.tier.folder.read_lineage())
-        if self._run_on_disk():
-            found.append(self.store().read_lineage())  # takes the disk lock: refused if live
+        if self._disk.exists():
+            found.append(self._disk.store().read_lineage())  # takes the disk lock: refused if live
         return found
-
-    def _run_on_disk(self) -> bool:
-        """Whether this run's namespace exists in ``disk_folder`` (never created to look)."""
-        return (Path(self.config.disk_folder) / ns.run_dir(self.run_id)).is_dir()
-
-    @staticmethod
-    def _publish_memory(tier: MemoryTier, lineage: Lineage, timeline: str) -> None:
-        tier.timeline = timeline
-        if tier.folder.dir_fd is not None:
-            tier.folder.write_lineage(lineage)
 
     # ------------------------------------------------------------------ capture
     def save(self, state: Any, step: int) -> None:
@@ -355,27 +207,18 @@ class InMemoryCheckpointManager:
             return
         previous = self._last_capture
         self._last_capture = step
-        if self._flush_due(step, previous):
-            self._flusher.submit(self._slots_at(step))
-        with self._trust_lock:
-            requested = step in self._persist_requested
-        if requested:
-            self._flusher.submit(self._slots_at(step))  # a repeat of a due flush is a no-op
+        cfg = self.config
+        if flush_due(step, previous, every=cfg.disk_flush_interval, interval=cfg.interval):
+            self._persist(step)
+        if self.trust.persist_requested(step):
+            self._persist(step)  # a repeat of a due flush is a no-op
 
-    def _flush_due(self, step: int, previous: int | None) -> bool:
-        """A capture is persisted when a multiple of ``disk_flush_interval`` lies in
-        (previous capture, this capture]: interval 5 and flush 10 persist 10, 20, 30..."""
-        every = self.config.disk_flush_interval
-        if not every:
-            return False
-        before = previous if previous is not None else step - self.config.interval
-        return step // every > max(before, -1) // every
-
-    def _slots_at(self, step: int) -> list[Slot]:
+    def _persist(self, step: int) -> None:
+        """Queue this rank's complete slots of ``step`` (own and held) for the node-local write."""
         slots = [s for s in self._engine.complete_slots() if s.step == step]
         if self._peer is not None:
             slots += [s for s in self._peer.complete_slots() if s.step == step]
-        return slots
+        self._flusher.submit(slots)
 
     def flush_newest(self) -> list[int]:
         """Synchronously persist a consistent set of slots (the signal and exit path).
@@ -386,55 +229,7 @@ class InMemoryCheckpointManager:
         running (another thread, or the SIGTERM handler) joins it. Returns the
         steps written.
         """
-        return self._exit_flush.run()
-
-    def _flush_consistent(self) -> list[int]:
-        held = self._peer.complete_slots() if self._peer is not None else []
-        chosen = consistent_newest(self._engine.complete_slots(), held)
-        written = self._flusher.flush_newest(chosen, self.config.signal_flush_deadline_s)
-        log.info("rank %d: flushed steps %s to %s", self.rank, written, self.config.disk_folder)
-        return written
-
-    def _after_flush(self, owner: threading.Thread) -> None:
-        if self._signal is not None and owner is threading.main_thread():
-            self._signal.release_pending()
-
-    def _install_excepthook(self) -> None:
-        """An uncaught exception (a survivor's collective error) flushes slots that would die."""
-        previous = sys.excepthook
-
-        def hook(
-            exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
-        ) -> None:
-            if not self._closed and not self.survives_process:
-                log.warning(
-                    "rank %d: exiting on %s; persisting the newest slots first (they live in "
-                    "process memory)",
-                    self.rank,
-                    exc_type.__name__,
-                )
-                try:
-                    self._exit_flush.run()
-                except Exception as err:  # the original error is what the user must see
-                    log.warning("rank %d: exit flush failed: %s", self.rank, err)
-            previous(exc_type, exc, tb)
-
-        self._excepthook = (hook, previous)
-        sys.excepthook = hook
-
-    def _stop_threads(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._flusher.close()
-        try:
-            self._engine.close()
-        except CaptureError as exc:  # at exit: say it, and still release the folder
-            log.error("rank %d: %s", self.rank, exc)
-        if self.tier is not None:
-            self.tier.close(remove=False)
-        if self._disk_lock is not None:
-            self._disk_lock.release()
+        return self._exit.flush()
 
     @property
     def survives_process(self) -> bool:
@@ -444,9 +239,8 @@ class InMemoryCheckpointManager:
     def wait_persisted(self, timeout_s: float | None = None) -> bool:
         """Block until every scheduled node-local write finished (for tests and shutdown)."""
         self._engine.wait_idle()
-        return self._flusher.wait_idle(timeout_s) and self.wait_trust(timeout_s)
+        return self._flusher.wait_idle(timeout_s) and self.trust.wait(timeout_s)
 
-    # ------------------------------------------------------------------ persistence
     def store(self) -> ShardStore:
         """This rank's node-local shard store (created on first use).
 
@@ -454,122 +248,7 @@ class InMemoryCheckpointManager:
         the run's folder, see :mod:`lm_resiliency.persistence.disk_lock`); raises
         ``ResiliencyError`` naming the other job when a live one holds it.
         """
-        with self._store_lock:
-            if self._store is None:
-                store = ShardStore(
-                    self.config.disk_folder,
-                    run_id=self.run_id,
-                    topology=self.topology,
-                    rank=self.rank,
-                    verify_integrity=self.config.verify_integrity,
-                    keep_generations=self.config.keep_generations,
-                )
-                try:
-                    self._disk_lock = DiskLock.take(store.root, run_id=self.run_id, rank=self.rank)
-                except BaseException:
-                    store.close()
-                    raise
-                self._store = store
-                history = getattr(self, "history", None)
-                if history is not None:
-                    store = self._store
-                    history.add_publisher(store.set_lineage)
-            return self._store
-
-    def _disk_store(self) -> ShardStore | None:
-        # Files can only exist where the run's folder does; never create it just to look.
-        if self._store is not None or self._run_on_disk():
-            return self.store()
-        return None
-
-    def _trust(self, step: int) -> TrustStatus:
-        if step in self._verified:
-            return TrustStatus.RECOVERY_VERIFIED
-        return TrustStatus.CANDIDATE if step in self._candidates else TrustStatus.UNVERIFIED
-
-    def mark_verified(self, step: int) -> None:
-        """Record ``step`` as recovery-verified (normally SCOUT certification does this)."""
-        self._verified.add(step)
-        held = self._serves_owner()
-        self.store().mark_verified(step, (self.rank,) if held is None else (self.rank, held))
-
-    # ------------------------------------------------------------------ recovery
-    def _serves_owner(self) -> int | None:
-        """The rank whose state this rank can serve (its replica's owner, or its HSDP partner)."""
-        if self.plan is None or not self.plan.has_peer:
-            return None
-        return self.plan.recv_from(self.rank)
-
-    def _sources(self) -> dict[Source, StepSource]:
-        eligible = self.history.eligible
-
-        def current(step: int, timeline: str | None) -> bool:
-            return timeline is None or eligible(step, timeline)
-
-        own_memory = MemorySlots(
-            Source.OWN_MEMORY, self._engine.complete_slots, eligible=current, consumes=True
-        )
-        sources: dict[Source, StepSource] = {
-            Source.OWN_MEMORY: own_memory,
-            Source.OWN_DISK: DiskShards(
-                Source.OWN_DISK, self._disk_store, self.rank, eligible=eligible, streamed=False
-            ),
-            Source.PEER_MEMORY: NoSource(Source.PEER_MEMORY),
-            Source.PEER_DISK: NoSource(Source.PEER_DISK),
-        }
-        owner = self._serves_owner()
-        if owner is not None:
-            if self._peer is not None:
-                sources[Source.PEER_MEMORY] = MemorySlots(
-                    Source.PEER_MEMORY, self._peer.complete_slots, eligible=current, consumes=False
-                )
-            elif self.hsdp:  # a replica's own slot holds the identical shard
-                sources[Source.PEER_MEMORY] = MemorySlots(
-                    Source.PEER_MEMORY,
-                    self._engine.complete_slots,
-                    eligible=current,
-                    consumes=False,
-                )
-            disk_owner = self.rank if self.hsdp else owner
-            sources[Source.PEER_DISK] = DiskShards(
-                Source.PEER_DISK, self._disk_store, disk_owner, eligible=eligible, streamed=True
-            )
-        return sources
-
-    def _report(self) -> Report:
-        self._engine.wait_idle()
-        self._flusher.wait_idle()
-        src = self._sources()
-        verified = set(self._verified)
-        store = self._disk_store()
-        if store is not None:
-            status = store.status()
-            verified |= set(status.verified_history)
-            if status.verified_step is not None:
-                verified.add(status.verified_step)
-        return Report(
-            src[Source.OWN_MEMORY].steps(),
-            src[Source.OWN_DISK].steps(),
-            src[Source.PEER_MEMORY].steps(),
-            src[Source.PEER_DISK].steps(),
-            frozenset(verified),
-        )
-
-    def _holder_of(self, rank: int) -> int | None:
-        if self.plan is None or not self.plan.has_peer:
-            return None
-        return self.plan.send_to(rank)
-
-    def _fetch_context(self) -> FetchContext:
-        return FetchContext(
-            rank=self.rank,
-            world_size=self.world_size,
-            control=self.control,
-            run_id=self.run_id,
-            plan=self.plan,
-            channel=self._channel,
-            sources=self._sources(),
-        )
+        return self._disk.store()
 
     def find_latest(self, mode: RecoveryMode = RecoveryMode.LATEST) -> int | None:
         """Collective: the newest step every rank can obtain, or ``None``.
@@ -616,7 +295,7 @@ class InMemoryCheckpointManager:
         if chosen is None:
             self.history.commit(None, None, replace=fresh)
         else:
-            parent = self._timeline_of(chosen)
+            parent = self._restorer.timeline_of(chosen)
             self.history.commit(parent, chosen, replace=fresh)
         return outcome.state
 
@@ -634,21 +313,6 @@ class InMemoryCheckpointManager:
             with contextlib.suppress(LookupError):  # already taken, or dropped since
                 # Slots that outlive the process get a fresh own copy of the step (background).
                 self._engine.hand_over(consume, keep=self.survives_process)
-
-    def _timeline_of(self, step: int) -> str | None:
-        """The timeline of the recovered step (agreed: rank 0's view of its generation)."""
-        mine = None
-        for slot in self._engine.slots + (self._peer.slots if self._peer is not None else []):
-            if slot.step == step and slot.timeline is not None:
-                mine = slot.timeline
-        store = self._disk_store()
-        if mine is None and store is not None:
-            mine = store.timeline_of(self.rank, step)
-        if mine is None:
-            mine = self.history.lineage.head.id if self.history.lineage.head else ""
-        gathered = self.control.all_gather_bytes(mine.encode(), name="agree the recovered timeline")
-        chosen = next((g.decode() for g in gathered if g), "")
-        return chosen or None
 
     def drop_memory(self) -> None:
         """Lose every in-memory slot, files included, as a replacement node would (drills)."""
@@ -707,7 +371,7 @@ class InMemoryCheckpointManager:
         them for a restarted process. The context manager passes
         ``finished=False`` when an exception leaves the block.
         """
-        if self._closed:
+        if self._closed or self._exit.exited:
             return
         try:
             self._engine.wait_idle()
@@ -723,130 +387,14 @@ class InMemoryCheckpointManager:
             except (OSError, UnsafePathError) as exc:
                 log.warning("rank %d: could not mark the run finished: %s", self.rank, exc)
         self._closed = True
-        atexit.unregister(self._stop_threads)
-        self._flusher.close()
-        if self._signal is not None:
-            self._signal.uninstall()
-        if self._excepthook is not None and sys.excepthook is self._excepthook[0]:
-            sys.excepthook = self._excepthook[1]
-        died: CaptureError | None = None
-        try:
-            self._engine.close()
-        except CaptureError as exc:  # the worker had stopped: raised once all is released
-            died = exc
-        if self._peer is not None:
-            self._peer.close()
-        elif self._channel is not None:
-            self._channel.close()
-        if self.tier is not None:
-            self.tier.close(remove=finished and not self.config.keep_memory_on_close)
-        self._trust_writer.close()
-        if self._store is not None:
-            self._store.close()
-        if self._disk_lock is not None:
-            self._disk_lock.release()
-        self.control.close()
-        if died is not None:
-            raise died
+        self._exit.close(remove_memory=finished and not self.config.keep_memory_on_close)
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self._exit.exited:
             raise ResiliencyError("this InMemoryCheckpointManager is closed; create a new one")
 
     def __enter__(self) -> InMemoryCheckpointManager:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close(finished=exc_type is None)
-
-    # ------------------------------------------------------------------ certification (SCOUT)
-    def certify(self, step: int, trust: TrustStatus, *, persist: bool = True) -> None:
-        """Record the capture of ``step`` as ``trust`` (``CANDIDATE`` or ``RECOVERY_VERIFIED``).
-
-        Local and non-blocking, callable from an optimizer hook: the in-memory record
-        is immediate (``find_latest`` of this process sees it at once); the sidecar
-        update and, with ``persist``, the node-local write of the step's own slot and
-        the peer replica this rank holds (with ``trust`` in their headers) run in the
-        background. A capture still in flight is written once it and its replication
-        complete. Promoting a candidate to ``RECOVERY_VERIFIED`` needs no ``persist``
-        (its files exist). Raises ``ValueError`` for another trust or a bad step.
-        """
-        self._check_open()
-        trust = TrustStatus(trust)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step={step!r} must be a non-negative int (a captured step)")
-        if trust is TrustStatus.UNVERIFIED:
-            raise ValueError("certify() records CANDIDATE or RECOVERY_VERIFIED, not UNVERIFIED")
-        with self._trust_lock:
-            if trust is TrustStatus.RECOVERY_VERIFIED:
-                self._verified.add(step)
-                self._candidates.discard(step)
-            else:
-                self._candidates.add(step)
-            if persist:
-                self._persist_requested.add(step)
-        if persist:
-            # Complete slots are queued now; a capture still in flight is queued by
-            # _after_capture once it (and its replication) is complete.
-            self._flusher.submit(self._slots_at(step))
-        if trust is TrustStatus.RECOVERY_VERIFIED:
-            # mark_verified also publishes the trust markers next to the shards.
-            self._in_background(lambda: self.mark_verified(step), f"verify step {step}")
-        else:
-            self._in_background(lambda: self.store().mark_candidate(step), f"candidate {step}")
-
-    def reject(self, step: int, *, reason: str) -> None:
-        """Record ``step`` as rejected (SCOUT found SDC before it was verified).
-
-        Local and non-blocking: ``step`` leaves the candidate and verified records at
-        once; the sidecar keeps ``(step, reason)`` (written in the background), which
-        ``lm-resiliency inspect`` shows. A rejected step is never chosen by
-        ``RECOVERY_VERIFIED`` recovery.
-        """
-        self._check_open()
-        with self._trust_lock:
-            self._verified.discard(step)
-            self._candidates.discard(step)
-        self._in_background(lambda: self.store().mark_rejected(step, reason), f"reject {step}")
-
-    def require_verified_recovery(self, step: int, *, reason: str) -> None:
-        """Persist SCOUT's verdict "SDC seen at ``step``: recover in verified mode".
-
-        Local and non-blocking (the sidecar is written in the background). A job
-        restarted on this folder finds it with :meth:`recovery_verdict`.
-        """
-        self._check_open()
-        verdict = RecoveryVerdict(step=step, reason=reason)
-        self._verdict = verdict
-        self._in_background(lambda: self.store().set_verdict(verdict), f"verdict at {step}")
-
-    def clear_recovery_verdict(self) -> None:
-        """Remove a persisted recovery verdict (after a verified recovery was certified)."""
-        self._check_open()
-        had = self.recovery_verdict() is not None
-        self._verdict = None
-        if had:
-            self._in_background(lambda: self.store().set_verdict(None), "clear verdict")
-
-    def recovery_verdict(self) -> RecoveryVerdict | None:
-        """This rank's recovery verdict: set in this process, or read from its own sidecar.
-
-        Local; never creates the disk folder. ``None`` when no verdict was recorded.
-        """
-        if self._verdict is not None:
-            return self._verdict
-        self.wait_trust()
-        store = self._disk_store()
-        return None if store is None else store.status().verdict
-
-    def wait_trust(self, timeout_s: float | None = None) -> bool:
-        """Block until every background trust update so far is written; False on timeout."""
-        return self._trust_writer.wait(timeout_s)
-
-    def _in_background(self, job: Callable[[], object], what: str) -> None:
-        self._trust_writer.submit(job, what)
+    def __exit__(self, *exc: object) -> None:
+        self.close(finished=exc[0] is None)  # an exception leaves the block: keep the slots

@@ -6,7 +6,10 @@ Call order (every rank; both calls are collective)::
     outcome = restorer.load(step, mode)    # load(): fetch, walk back, or fall back
 
 Both run over the control plane, so every wait is bounded and a rank that does
-not answer is named. Logging: one WARNING line on rank 0 when a restarted job
+not answer is named. What this rank can offer comes from one :class:`SourceSet`,
+built once by the manager from its parts (capture engine, peer replicas, the
+node-local disk, the timeline history, the trust ledger): the restorer never
+calls back into the manager. Logging: one WARNING line on rank 0 when a restarted job
 (or one whose run left files or slots) recovers nothing, naming why and each
 rank's newest available step. Every recovery (a GEMINI step, or the
 ``load_fallback`` when none is common) prints one line on rank 0 to stderr,
@@ -23,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lm_resiliency.checkpointing.history import History
+from lm_resiliency.checkpointing.setup import Parts
 from lm_resiliency.control import ControlPlane
 from lm_resiliency.errors import NoConsistentStep
 from lm_resiliency.recovery.availability import (
@@ -36,6 +41,8 @@ from lm_resiliency.recovery.availability import (
 )
 from lm_resiliency.recovery.fetch import FetchContext, Fetched, Unusable, fetch_step
 from lm_resiliency.recovery.mode import RecoveryMode
+from lm_resiliency.recovery.sources import DiskShards, MemorySlots, NoSource, StepSource
+from lm_resiliency.replication import PairingPlan
 
 log = logging.getLogger(__name__)
 
@@ -63,32 +70,146 @@ class Outcome:
     fetched: Fetched | None
 
 
+class SourceSet:
+    """Where one rank can obtain a step, built once from the manager's parts.
+
+    Own memory (the capture engine's slots, handed over after a load), own disk,
+    and what this rank serves the rank it pairs with: that rank's replica in
+    peer memory (or, HSDP, this rank's own identical slot) and on this disk.
+    """
+
+    def __init__(
+        self,
+        parts: Parts,
+        *,
+        control: ControlPlane,
+        run_id: str,
+        plan: PairingPlan | None,
+        hsdp: bool,
+        history: History,
+    ) -> None:
+        self.control = control
+        self.rank = control.rank
+        self._run_id = run_id
+        self._plan = plan
+        self._channel = parts.channel
+        self._engine = engine = parts.engine
+        self._peer = peer = parts.peer
+        self._flusher = parts.flusher
+        self._disk = disk = parts.disk
+        self._history = history
+        self._trust = parts.trust
+        eligible = history.eligible
+
+        def current(step: int, timeline: str | None) -> bool:
+            return timeline is None or eligible(step, timeline)
+
+        existing = disk.existing
+        self.sources: dict[Source, StepSource] = {
+            Source.OWN_MEMORY: MemorySlots(
+                Source.OWN_MEMORY, engine.complete_slots, eligible=current, consumes=True
+            ),
+            Source.OWN_DISK: DiskShards(
+                Source.OWN_DISK, existing, self.rank, eligible=eligible, streamed=False
+            ),
+            Source.PEER_MEMORY: NoSource(Source.PEER_MEMORY),
+            Source.PEER_DISK: NoSource(Source.PEER_DISK),
+        }
+        owner = plan.recv_from(self.rank) if plan is not None and plan.has_peer else None
+        if owner is not None:
+            if peer is not None:
+                self.sources[Source.PEER_MEMORY] = MemorySlots(
+                    Source.PEER_MEMORY, peer.complete_slots, eligible=current, consumes=False
+                )
+            elif hsdp:  # a replica's own slot holds the identical shard
+                self.sources[Source.PEER_MEMORY] = MemorySlots(
+                    Source.PEER_MEMORY, engine.complete_slots, eligible=current, consumes=False
+                )
+            disk_owner = self.rank if hsdp else owner
+            self.sources[Source.PEER_DISK] = DiskShards(
+                Source.PEER_DISK, existing, disk_owner, eligible=eligible, streamed=True
+            )
+
+    def report(self) -> Report:
+        """This rank's availability, once the in-flight capture and writes are done."""
+        self._engine.wait_idle()
+        self._flusher.wait_idle()
+        src = self.sources
+        verified = set(self._trust.verified())
+        store = self._disk.existing()
+        if store is not None:
+            status = store.sidecar.status()
+            verified |= set(status.verified_history)
+            if status.verified_step is not None:
+                verified.add(status.verified_step)
+        return Report(
+            src[Source.OWN_MEMORY].steps(),
+            src[Source.OWN_DISK].steps(),
+            src[Source.PEER_MEMORY].steps(),
+            src[Source.PEER_DISK].steps(),
+            frozenset(verified),
+        )
+
+    def holder_of(self, rank: int) -> int | None:
+        """The rank holding ``rank``'s replica (``None`` without a peer)."""
+        if self._plan is None or not self._plan.has_peer:
+            return None
+        return self._plan.send_to(rank)
+
+    def timeline_of(self, step: int) -> str | None:
+        """Collective: the timeline of the recovered ``step`` (rank 0's view of its generation)."""
+        mine = None
+        held = self._peer.slots if self._peer is not None else []
+        for slot in self._engine.slots + held:
+            if slot.step == step and slot.timeline is not None:
+                mine = slot.timeline
+        store = self._disk.existing()
+        if mine is None and store is not None:
+            mine = store.timeline_of(self.rank, step)
+        if mine is None:
+            head = self._history.lineage.head
+            mine = head.id if head else ""
+        gathered = self.control.all_gather_bytes(mine.encode(), name="agree the recovered timeline")
+        chosen = next((g.decode() for g in gathered if g), "")
+        return chosen or None
+
+    def context(self) -> FetchContext:
+        return FetchContext(
+            rank=self.rank,
+            world_size=self.control.world_size,
+            control=self.control,
+            run_id=self._run_id,
+            plan=self._plan,
+            channel=self._channel,
+            sources=self.sources,
+        )
+
+
 class Restorer:
     """Recovery of one rank; see the module docstring."""
 
     def __init__(
         self,
+        sources: SourceSet,
         *,
-        control: ControlPlane,
-        report: Callable[[], Report],
-        context: Callable[[], FetchContext],
-        holder_of: Callable[[int], int | None],
         restarted: bool,
         other_topologies: list[str] | None = None,
     ) -> None:
-        self._control = control
-        self._report = report
-        self._context = context
-        self._holder_of = holder_of
+        self._sources = sources
+        self._control = sources.control
         self._restarted = restarted
         self._other_topologies = list(other_topologies or [])
         self._said_nothing = False
 
     def gather(self, mode: RecoveryMode) -> tuple[Options, list[Report], set[int]]:
-        reports = gather_reports(self._report(), control=self._control)
-        table = source_options(reports, self._holder_of)
+        reports = gather_reports(self._sources.report(), control=self._control)
+        table = source_options(reports, self._sources.holder_of)
         verified = mode is RecoveryMode.RECOVERY_VERIFIED
         return table, reports, common_steps(table, reports, verified_only=verified)
+
+    def timeline_of(self, step: int) -> str | None:
+        """Collective: the timeline the recovered ``step`` continues (see :class:`SourceSet`)."""
+        return self._sources.timeline_of(step)
 
     def newest(self, mode: RecoveryMode) -> int | None:
         """find_latest(): the newest step every rank can obtain, or ``None`` (said once)."""
@@ -112,7 +233,7 @@ class Restorer:
                 f"steps: {sorted(common)}. " + "; ".join(missing_lines(step, table, reports))
             )
         candidates = sorted((s for s in common if step is None or s <= step), reverse=True)
-        ctx = self._context()
+        ctx = self._sources.context()
         failed: list[int] = []
         problems: list[str] = []
         for s in candidates:

@@ -2,10 +2,15 @@
 
 Pure functions of the configuration, this rank's environment and the agreed
 identity (run id, topology); the constructor calls them in this order:
-:func:`preflight` (this rank's environment and its :func:`pairing`, before any
-collective that could wait on a rank that refuses it), :func:`memory_tier`
-(after the topology is fingerprinted), and at recovery :func:`disk_topologies`
-says whether the run has files for another topology.
+:func:`agree_identity` (:func:`preflight`: this rank's environment and its
+:func:`pairing`, before any collective that could wait on a rank that refuses
+it; then the run id and the topology fingerprint), :func:`memory_tier`
+(after the topology is fingerprinted), :func:`replicas` (the replication
+channel and the peer replicas this rank holds), :func:`reattach` (hands the
+slots an earlier process of this rank left on the node to the capture engine
+and the peer replicas) and :func:`memory_publisher` (the memory folder's copy
+of the lineage); at recovery :func:`disk_topologies` says whether the run has
+files for another topology.
 """
 
 from __future__ import annotations
@@ -13,27 +18,95 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from lm_resiliency.capture.engine import Adopted, CaptureEngine
+from lm_resiliency.capture.slot import ArenaBacking
+from lm_resiliency.checkpointing.disk import LocalDisk
+from lm_resiliency.checkpointing.flush import DiskFlusher
+from lm_resiliency.checkpointing.peer import PeerReplicas
+from lm_resiliency.checkpointing.trust import TrustLedger
 from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.control import ControlPlane
 from lm_resiliency.distributed import restart_count
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.memory import MemoryFolder, MemoryFolderFull, MemoryTier
+from lm_resiliency.persistence import agree_job_fingerprint, resolve_run_id, topology_fingerprint
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence.identity import local_run_id
-from lm_resiliency.replication import PairingPlan, resolve_jump
+from lm_resiliency.persistence.lineage import Lineage
+from lm_resiliency.replication import PairingPlan, ReplicationChannel, resolve_jump
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "Identity",
+    "Parts",
+    "agree_identity",
     "check_disk_folder",
     "describe_plan",
     "disk_topologies",
+    "memory_publisher",
     "memory_tier",
     "pairing",
     "preflight",
+    "reattach",
+    "replicas",
 ]
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What every rank agreed before any slot exists."""
+
+    plan: PairingPlan | None
+    run_id: str
+    topology: str
+    serves: int | None
+    """The rank whose state this rank can serve (its replica's owner, or its HSDP partner)."""
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The parts the manager assembles, handed to the recovery sources and the exit guard."""
+
+    tier: MemoryTier | None
+    channel: ReplicationChannel | None
+    peer: PeerReplicas | None
+    disk: LocalDisk
+    trust: TrustLedger
+    flusher: DiskFlusher
+    engine: CaptureEngine
+
+
+def agree_identity(
+    control: ControlPlane,
+    config: InMemoryCkptConfig,
+    *,
+    hsdp: bool,
+    replica_ranks: Sequence[int] | None,
+) -> Identity:
+    """Collective: check every rank's environment (failing on every rank alike), then agree
+    the run id and the job's topology fingerprint over the control plane."""
+    rank, world = control.rank, control.world_size
+    plan = control.agree(
+        lambda: preflight(
+            config, rank=rank, world_size=world, hsdp=hsdp, replica_ranks=replica_ranks
+        ),
+        "check this rank's environment",
+    )
+    with control.op("agree the run id"):
+        run_id = resolve_run_id(config.run_id, group=control.group)
+    if rank == 0:
+        log.info("GEMINI replication: %s", describe_plan(plan, hsdp=hsdp))
+    pairs = plan.table() if plan is not None else []
+    group_fp = topology_fingerprint(list(range(world)), pairs)
+    with control.op("agree the topology"):
+        topology = agree_job_fingerprint(group_fp, group=control.group)
+    serves = plan.recv_from(rank) if plan is not None and plan.has_peer else None
+    return Identity(plan, run_id, topology, serves)
 
 
 def preflight(
@@ -156,8 +229,8 @@ def memory_tier(
     peer_owner: int | None,
     superseded: list[str],
 ) -> MemoryTier | None:
-    """This rank's memory tier, or ``None`` (``memory_folder=None``, or an unusable folder
-    when not ``memory_required``: then one warning says what is lost).
+    """This rank's memory tier, or ``None`` (``enable=False``, ``memory_folder=None``, or an
+    unusable folder when not ``memory_required``: then one warning says what is lost).
 
     Appends the names of the run's memory folders of other topologies to ``superseded``
     (never removes them: their job may still run or restart). Raises ``UnsafePathError``
@@ -165,7 +238,7 @@ def memory_tier(
     raises when required.
     """
     folder_path = config.memory_folder
-    if folder_path is None:
+    if folder_path is None or not config.enable:
         return None
     try:
         folder = MemoryFolder(folder_path, run_id=run_id, topology=topology, rank=rank)
@@ -215,3 +288,81 @@ def disk_topologies(disk_folder: str | Path, run_id: str, topology: str) -> list
         and not p.is_symlink()
         and any(ns.parse_step_dir(q.name) is not None for q in p.iterdir())
     )
+
+
+def replicas(
+    config: InMemoryCkptConfig,
+    plan: PairingPlan | None,
+    *,
+    run_id: str,
+    rank: int,
+    hsdp: bool,
+    backing: ArenaBacking,
+) -> tuple[ReplicationChannel | None, PeerReplicas | None]:
+    """The replication channel (when the plan pairs ranks) and the peer replicas this rank
+    holds (none under HSDP: a replica rank's own slot holds the identical shard)."""
+    if plan is None or not plan.has_peer or not config.enable:
+        return None, None
+    channel = ReplicationChannel(
+        plan,
+        run_id=run_id,
+        rank=rank,
+        chunk_bytes=config.replication_chunk_size,
+        timeout_s=config.replication_timeout_s,
+    )
+    if hsdp:
+        return channel, None
+    peer = PeerReplicas(
+        channel, plan, rank=rank, run_id=run_id, pin_memory=config.pin_memory, backing=backing
+    )
+    return channel, peer
+
+
+def reattach(
+    tier: MemoryTier | None,
+    engine: CaptureEngine,
+    peer: PeerReplicas | None,
+    *,
+    rank: int,
+    pin: bool,
+) -> None:
+    """Re-attach to the committed slots an earlier process of this rank left on this node."""
+    if tier is None:
+        return
+    attached, problems = tier.attach(pin=pin)
+    for line in problems:
+        if "(not_committed)" in line:  # the previous process died mid-capture: routine
+            log.info("rank %d: not using a capture the previous process left half-written "
+                     "(%s)", rank, line)  # fmt: skip
+        else:
+            log.warning("rank %d: ignoring %s", rank, line)
+    own: list[Adopted] = []
+    held: list[Adopted] = []
+    for a, handle in attached:
+        r = a.record
+        adopted = Adopted(a.slot_name, handle, r.layout, r.step, r.state, r.timeline, r.crcs)
+        (own if r.identity.role == "own" else held).append(adopted)
+    engine.adopt(own)
+    if peer is not None:
+        peer.adopt(held)
+    else:
+        for h in held:
+            h.handle.release()
+    if attached:
+        log.info(
+            "rank %d: re-attached memory slots: own %s, held %s",
+            rank,
+            sorted(a.step for a in own),
+            sorted(a.step for a in held),
+        )
+
+
+def memory_publisher(tier: MemoryTier) -> Callable[[Lineage, str], None]:
+    """A timeline-history publisher: the memory folder records the job's lineage too."""
+
+    def publish(lineage: Lineage, timeline: str) -> None:
+        tier.timeline = timeline
+        if tier.folder.dir_fd is not None:
+            tier.folder.write_lineage(lineage)
+
+    return publish

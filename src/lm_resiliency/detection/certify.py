@@ -19,7 +19,7 @@ The rules of docs/scout.md ("Certification"), applied identically on every rank
   computed wrongly has already poisoned every replica's update: a later clean
   check would otherwise certify corrupted state.
 
-Every trust change goes through :class:`TrustSink` (the GEMINI manager), whose
+Every trust change goes through :class:`TrustSink` (the GEMINI manager's ``trust``), whose
 methods return at once and persist in the background.
 """
 
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 class TrustSink(Protocol):
-    """What certification needs from GEMINI (``InMemoryCheckpointManager`` provides it)."""
+    """What certification needs from GEMINI (``InMemoryCheckpointManager.trust`` provides it)."""
 
     def certify(self, step: int, trust: TrustStatus, *, persist: bool = True) -> None: ...
 

@@ -102,10 +102,17 @@ def decide_mode(kind: FailureKind, sweep: ScoutResult | None) -> tuple[RecoveryM
     return RecoveryMode.LATEST, f"{kind.value}: a complete clean sweep of the catalog"
 
 
+class _Verdicts(Protocol):
+    def recovery_verdict(self) -> RecoveryVerdict | None: ...
+
+
 class _Manager(Protocol):
+    """What the decision needs from GEMINI: ``find_latest`` and its trust ledger."""
+
     def find_latest(self, mode: RecoveryMode = RecoveryMode.LATEST) -> int | None: ...
 
-    def recovery_verdict(self) -> RecoveryVerdict | None: ...
+    @property
+    def trust(self) -> _Verdicts: ...
 
 
 class _Sweeper(Protocol):
@@ -156,7 +163,7 @@ def decide_recovery(
         source = "environment"
     else:
         kind, source = FailureKind.UNKNOWN, "default"
-    verdict = manager.recovery_verdict()
+    verdict = manager.trust.recovery_verdict()
     kind, any_verdict = _agree(kind, verdict is not None)
     if any_verdict:
         kind, source = FailureKind.SDC, "persisted verdict"

@@ -2,7 +2,7 @@
 
 Call order on every rank (the plain training loop with GEMINI)::
 
-    scout = Scout(ScoutConfig(), model, manager=manager, interval=manager.config.interval)
+    scout = Scout(ScoutConfig(), model, manager=manager.trust, interval=manager.config.interval)
     for step in range(1, max_steps + 1):
         loss = model(batch).backward(); manager.maybe_wait()
         optimizer.step(); optimizer.zero_grad()
@@ -72,10 +72,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 class Scout:
     """SCOUT on one rank. See the module docstring for the call order.
 
-    ``manager``: the GEMINI manager (or any :class:`TrustSink`) that certification
-    drives; ``None`` checks without certifying. ``groups``: the comparison groups
-    (default: every rank is a DDP peer). ``dynamic``: a dynamic catalog (MoE
-    experts). ``interval``: GEMINI's capture interval, the default of every class.
+    ``manager``: the GEMINI manager's trust ledger (``manager.trust``, or any
+    :class:`TrustSink`) that certification drives; ``None`` checks without
+    certifying. ``groups``: the comparison groups (default: every rank is a DDP
+    peer). ``dynamic``: a dynamic catalog (MoE experts). ``interval``: GEMINI's
+    capture interval, the default of every class.
     ``on_candidate(step)``: the framework's durable-candidate writer, called on
     the training thread when a step becomes CANDIDATE (keep it asynchronous).
     ``events``: the structured log for ``scout.check`` events.

@@ -36,6 +36,7 @@ _TOPO_RE = re.compile(r"topo-[0-9a-f]{16}")
 _STEP_RE = re.compile(r"step-(0|[1-9][0-9]{0,18})")
 _SHARD_RE = re.compile(r"rank-(0|[1-9][0-9]{0,9})\.safetensors")
 _SIDECAR_RE = re.compile(r"status-rank-(0|[1-9][0-9]{0,9})\.json")
+_MARKER_RE = re.compile(r"trust-rank-(0|[1-9][0-9]{0,9})\.json")
 
 
 def _h16(text: str) -> str:
@@ -92,6 +93,12 @@ def parse_step_dir(name: str) -> int | None:
 def parse_shard_file(name: str) -> int | None:
     """The owner rank of a canonical ``rank-<R>.safetensors`` name, else ``None``."""
     m = _SHARD_RE.fullmatch(name)
+    return int(m[1]) if m else None
+
+
+def parse_trust_marker_file(name: str) -> int | None:
+    """The owner rank of a canonical ``trust-rank-<R>.json`` name, else ``None``."""
+    m = _MARKER_RE.fullmatch(name)
     return int(m[1]) if m else None
 
 

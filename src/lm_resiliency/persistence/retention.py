@@ -103,15 +103,26 @@ class SparePool:
         ``False`` means: delete it instead (unlinking drops only our link, so a
         hard-linked backup or outside file survives). Parked are only regular
         files owned by us, not writable by others, with exactly one link.
+
+        A file that vanishes on the way was retired by another rank sharing this
+        folder (an owner and the holder of its replica on one node both retain
+        that owner's generations): ``False`` too, and the caller's unlink finds
+        nothing left to do.
         """
         with self._lock:
             if len(self.names) >= self._limit:
                 return False
-            st = os.stat(name, dir_fd=src_dir_fd, follow_symlinks=False)
+            try:
+                st = os.stat(name, dir_fd=src_dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
             if judge(st, where or name, expect="file") is not None or st.st_nlink != 1:
                 return False
             spare = temp_name("spare")
-            os.rename(name, spare, src_dir_fd=src_dir_fd, dst_dir_fd=spare_dir_fd)
+            try:
+                os.rename(name, spare, src_dir_fd=src_dir_fd, dst_dir_fd=spare_dir_fd)
+            except FileNotFoundError:
+                return False
             self.names[spare] = Spare(spare, st.st_size, (st.st_dev, st.st_ino))
             return True
 

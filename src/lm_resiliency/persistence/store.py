@@ -4,8 +4,9 @@ Call order (one store per rank, every rank of a node may share ``disk_folder``):
 construct with the agreed ``run_id`` and job topology fingerprint (see
 :mod:`lm_resiliency.persistence.identity`) -> ``write`` completed slots (own
 state and the peer replicas this rank holds, each under its owner's rank) ->
-``mark_candidate`` / ``mark_verified`` / ``mark_rejected`` / ``set_verdict`` as
-validation decides -> at recovery
+``sidecar.mark_candidate`` / ``mark_verified`` / ``mark_rejected`` / ``set_verdict``
+as validation decides (the trust record: :mod:`lm_resiliency.persistence.sidecar_store`)
+-> at recovery
 ``steps`` and ``read`` -> ``close``. No call is collective.
 
 Thread safety: ``write`` may run on a background flush thread while a signal
@@ -19,7 +20,6 @@ and retention wait).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -39,7 +39,7 @@ from lm_resiliency._safefs import (
     opened_dir,
 )
 from lm_resiliency.capture import Layout
-from lm_resiliency.errors import ConfigError, ShardUnavailable, SidecarUnavailable, UnsafePathError
+from lm_resiliency.errors import ConfigError, ShardUnavailable, UnsafePathError
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence.document import ShardIdentity, check_identity
 from lm_resiliency.persistence.format import (
@@ -49,7 +49,7 @@ from lm_resiliency.persistence.format import (
     write_shard,
 )
 from lm_resiliency.persistence.lineage import Lineage, lineage_file, read_lineage, write_lineage
-from lm_resiliency.persistence.publish import Recycled, publish, publish_bytes, reap_stale_temps
+from lm_resiliency.persistence.publish import Recycled, publish, reap_stale_temps
 from lm_resiliency.persistence.reader import ShardReader
 from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
 from lm_resiliency.persistence.retention import (
@@ -58,14 +58,9 @@ from lm_resiliency.persistence.retention import (
     oldest_candidate,
     plan_retention,
 )
-from lm_resiliency.persistence.sidecar import (
-    DEFAULT_HISTORY_LIMIT,
-    DEFAULT_RETRY_S,
-    SidecarStatus,
-    read_status,
-    write_status,
-)
-from lm_resiliency.persistence.trust import RecoveryVerdict, TrustStatus
+from lm_resiliency.persistence.sidecar import DEFAULT_HISTORY_LIMIT, DEFAULT_RETRY_S
+from lm_resiliency.persistence.sidecar_store import SidecarStore, has_marker
+from lm_resiliency.persistence.trust import TrustStatus
 
 log = logging.getLogger(__name__)
 _R = UnavailableReason
@@ -139,7 +134,9 @@ def _refused(path: Path, exc: UnsafePathError) -> ShardUnavailable:
 
 
 class ShardStore:
-    """Format-v3 shards, status sidecar and retention for one rank under ``disk_folder``.
+    """Format-v3 shards and their retention for one rank under ``disk_folder``.
+
+    The rank's trust record (status sidecar and trust markers) is ``sidecar``.
 
     ``topology`` is the job-wide topology fingerprint; ``rank`` the rank whose
     sidecar this store owns. Raises ``ConfigError`` for invalid arguments,
@@ -197,20 +194,21 @@ class ShardStore:
         with opened_dir(self.root, self._parts[:1], create=True) as run_fd:
             ns.ensure_run_manifest(run_fd, run_id, where=str(self.root / self._parts[0]))
             reap_stale_temps(run_fd)
+        self.sidecar = SidecarStore(
+            self.root,
+            self._parts,
+            run_id=run_id,
+            topology=topology,
+            rank=self.rank,
+            history_limit=history_limit,
+            retry_s=sidecar_retry_s,
+            lock=self._lock,
+        )
+        """This rank's status sidecar and trust markers (:class:`SidecarStore`)."""
         with opened_dir(self.root, self._parts, create=True) as topo_fd:
             ns.ensure_topology_manifest(topo_fd, topology, where=str(self.topology_path))
             reap_stale_temps(topo_fd)
-            try:
-                loaded = self._read_sidecar(topo_fd, rank)
-            except SidecarUnavailable as exc:
-                loaded = self._rebuild_status(topo_fd)
-                log.warning(
-                    "%s; rebuilt it from the shards' own metadata (verified steps %s)",
-                    exc,
-                    list(loaded.verified_history),
-                )
-                write_status(topo_fd, loaded)
-        self._status = loaded or SidecarStatus(run_id=run_id, topology=topology, rank=rank)
+            self.sidecar.load(topo_fd, self._trust)
         self._finalizer = weakref.finalize(self, _drop_spares, self.root, self._parts, self._spares)
 
     # -- paths -----------------------------------------------------------------
@@ -286,8 +284,7 @@ class ShardStore:
             with self._lock:
                 self._trust_cache[(owner_rank, step)] = TrustStatus(trust)
                 self._timeline_cache[(owner_rank, step)] = timeline
-                self._status = self._status.with_persisted(owner_rank, step)
-                write_status(topo_fd, self._status)
+                self.sidecar.record_persisted(topo_fd, owner_rank, step)
                 self._retain(topo_fd, owner_rank)
         return self.path_for(owner_rank, step)
 
@@ -320,7 +317,8 @@ class ShardStore:
         never deleted; neither is the newest verified generation on the history.
         """
         steps = self._steps_in(topo_fd, owner_rank)
-        history = set(self._status.verified_history)
+        status = self.sidecar.status()
+        history = set(status.verified_history)
         lineage = self.lineage
         current: list[int] = []
         for step in steps:
@@ -334,11 +332,11 @@ class ShardStore:
             return (
                 step in history
                 or self._trust(owner_rank, step) is TrustStatus.RECOVERY_VERIFIED
-                or _has_marker(topo_fd, step, owner_rank)
+                or has_marker(topo_fd, step, owner_rank)
             )
 
         keep_verified = newest_verified(current, verified)
-        rejected = {s for s, _ in self._status.rejected}
+        rejected = {s for s, _ in status.rejected}
 
         def candidate(step: int) -> bool:  # written as a candidate, neither promoted nor rejected
             trust = self._trust(owner_rank, step)
@@ -402,47 +400,6 @@ class ShardStore:
         with contextlib.suppress(OSError):  # not empty: another owner's shard or a foreign temp
             os.rmdir(dname, dir_fd=topo_fd)
         os.fsync(topo_fd)
-
-    def _rebuild_status(self, topo_fd: int) -> SidecarStatus:
-        """This rank's trust record rebuilt from the shards on this node (damaged sidecar).
-
-        A step counts as verified when its shard says so or carries a trust
-        marker; persisted steps are the newest shard of each owner.
-        """
-        owners: dict[int, list[int]] = {}
-        for name in os.listdir(topo_fd):
-            step = ns.parse_step_dir(name)
-            if step is None or entry_kind(topo_fd, name) != "dir":
-                continue
-            with contextlib.suppress(FileNotFoundError, UnsafePathError, OSError):
-                step_fd = open_subdir(topo_fd, name, create=False, where=name)
-                try:
-                    for entry in os.listdir(step_fd):
-                        owner = ns.parse_shard_file(entry)
-                        if owner is not None:
-                            owners.setdefault(owner, []).append(step)
-                finally:
-                    os.close(step_fd)
-        status = SidecarStatus(run_id=self.run_id, topology=self.topology, rank=self.rank)
-        verified = sorted(
-            s
-            for s in owners.get(self.rank, [])
-            if self._trust(self.rank, s) is TrustStatus.RECOVERY_VERIFIED
-            or _has_marker(topo_fd, s, self.rank)
-        )
-        for step in verified[-self.history_limit :]:
-            status = status.with_verified(step, history_limit=self.history_limit)
-        for owner, steps in owners.items():
-            status = status.with_persisted(owner, max(steps))
-        # What else the sidecar said (SCOUT's rejections and verdict) is unknown now: stay
-        # conservative until a verified recovery is certified again.
-        return status.with_verdict(
-            RecoveryVerdict(
-                step=max(verified, default=0),
-                reason="the status sidecar was damaged and rebuilt from the shards; what SCOUT "
-                "recorded in it is unknown, so recovery stays in verified mode",
-            )
-        )
 
     # -- reading -----------------------------------------------------------------
 
@@ -534,48 +491,6 @@ class ShardStore:
                 log.warning("rank %d: step %d is not used: %s", self.rank, step, problem)
         return sorted(found)
 
-    # -- status sidecar ------------------------------------------------------------
-
-    def status(self) -> SidecarStatus:
-        """This rank's current trust record (as last published). Never waits on a write."""
-        return self._status
-
-    def mark_candidate(self, step: int) -> SidecarStatus:
-        """Record ``step`` as this rank's candidate and publish the sidecar."""
-        return self._update(lambda s: s.with_candidate(_nonneg("step", step)))
-
-    def mark_verified(self, step: int, owners: tuple[int, ...] = ()) -> SidecarStatus:
-        """Add ``step`` to this rank's recovery-verified history and publish the sidecar.
-
-        For each of ``owners`` whose shard of ``step`` is on this node a small
-        trust marker is published next to it, so the verdict survives a damaged
-        sidecar (retention and a rebuilt sidecar read it back).
-        """
-        limit = self.history_limit
-        status = self._update(lambda s: s.with_verified(_nonneg("step", step), history_limit=limit))
-        for owner in owners:
-            self._write_marker(step, owner)
-        return status
-
-    def _write_marker(self, step: int, owner_rank: int) -> None:
-        try:
-            with opened_dir(self.root, (*self._parts, ns.step_dir(step)), create=False) as d:
-                if entry_kind(d, ns.shard_file(owner_rank)) != "file":
-                    return
-                body = json.dumps(
-                    {
-                        "kind": ns.TRUST_MARKER_KIND,
-                        "run_id": self.run_id,
-                        "topology": self.topology,
-                        "owner_rank": owner_rank,
-                        "step": step,
-                        "trust": TrustStatus.RECOVERY_VERIFIED.value,
-                    }
-                ).encode()
-                publish_bytes(d, ns.trust_marker_file(owner_rank), body)
-        except (FileNotFoundError, UnsafePathError):
-            return
-
     def set_lineage(self, lineage: Lineage, timeline: str | None) -> None:
         """Adopt the job's lineage and the timeline to record in new shards; publish it here."""
         with self._lock:
@@ -595,62 +510,6 @@ class ShardStore:
                 )
         except (FileNotFoundError, UnsafePathError):
             return None
-
-    def mark_rejected(self, step: int, reason: str) -> SidecarStatus:
-        """Record ``step`` as rejected (by SCOUT) with ``reason`` and publish the sidecar.
-
-        The step leaves the verified history and stops being the candidate.
-        """
-        limit = self.history_limit
-        status = self._update(
-            lambda s: s.with_rejected(_nonneg("step", step), str(reason), history_limit=limit)
-        )
-        self._drop_markers(step)  # a rejected step must not come back from a rebuilt sidecar
-        return status
-
-    def _drop_markers(self, step: int) -> None:
-        try:
-            with opened_dir(self.root, (*self._parts, ns.step_dir(step)), create=False) as d:
-                for name in os.listdir(d):
-                    if name.startswith("trust-rank-") and name.endswith(".json"):
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(name, dir_fd=d)
-        except (FileNotFoundError, UnsafePathError):
-            return
-
-    def set_verdict(self, verdict: RecoveryVerdict | None) -> SidecarStatus:
-        """Publish SCOUT's recovery verdict in the sidecar (``None`` clears it)."""
-        return self._update(lambda s: s.with_verdict(verdict))
-
-    def _update(self, change: Callable[[SidecarStatus], SidecarStatus]) -> SidecarStatus:
-        with self._lock, opened_dir(self.root, self._parts, create=True) as topo_fd:
-            new = change(self._status)
-            write_status(topo_fd, new)
-            self._status = new
-            return new
-
-    def read_status(self, rank: int) -> SidecarStatus | None:
-        """Read ``rank``'s sidecar from this node's disk (``None`` if it has none).
-
-        Retries visibility failures for ``sidecar_retry_s``; raises
-        ``SidecarUnavailable`` for a persistently malformed file or any
-        identity, schema or trust mismatch.
-        """
-        try:
-            with opened_dir(self.root, self._parts, create=False) as topo_fd:
-                return self._read_sidecar(topo_fd, rank)
-        except FileNotFoundError:
-            return None
-
-    def _read_sidecar(self, topo_fd: int, rank: int) -> SidecarStatus | None:
-        return read_status(
-            topo_fd,
-            run_id=self.run_id,
-            topology=self.topology,
-            rank=rank,
-            where=str(self.topology_path / ns.sidecar_file(rank)),
-            retry_s=self.sidecar_retry_s,
-        )
 
     # -- housekeeping --------------------------------------------------------------
 
@@ -681,17 +540,6 @@ class ShardStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _has_marker(topo_fd: int, step: int, owner_rank: int) -> bool:
-    try:
-        d = open_subdir(topo_fd, ns.step_dir(step), create=False, where=ns.step_dir(step))
-    except (FileNotFoundError, UnsafePathError):
-        return False
-    try:
-        return entry_kind(d, ns.trust_marker_file(owner_rank)) == "file"
-    finally:
-        os.close(d)
 
 
 def _drop_spares(root: Path, parts: tuple[str, ...], spares: SparePool | None) -> None:

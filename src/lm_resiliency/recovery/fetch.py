@@ -225,8 +225,7 @@ def _server_of(ctx: FetchContext, rank: int) -> int | None:
 
 
 def _gather(ctx: FetchContext, a: str, b: str, name: str) -> list[tuple[str, str]]:
-    blob = json.dumps([a, b]).encode()
-    return [tuple(json.loads(x)) for x in ctx.control.all_gather_bytes(blob, name=name)]  # type: ignore[misc]
+    return [(g[0], g[1]) for g in ctx.control.gather_reasons((a, b), name=name)]
 
 
 def _key(step: int, *, src: int, dst: int, meta: tuple[str, int]) -> TransferKey:

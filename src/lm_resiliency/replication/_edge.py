@@ -8,8 +8,8 @@ is dead for good. Rebuilding a shared group needs every rank of the job at the
 same moment (``new_group`` is collective), which a background transfer cannot
 arrange. A two-rank group only needs its two endpoints: after a failure both
 know the edge is broken, and both rebuild it at the start of their next transfer
-on a rendezvous key derived from that transfer's step, which they agree on
-without talking (the replication schedule is the same on every rank).
+for the same step (the replication schedule is the same on every rank), after
+agreeing in the store on the attempt both join (:mod:`._rebuild`).
 
 The group is a ``ProcessGroupGloo`` built directly on a ``PrefixStore`` of the
 job's store, so its rendezvous is bounded by our timeout and it is not
@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
 from lm_resiliency.errors import ReplicationError
+from lm_resiliency.knobs import REPLICATION_REBUILD_ATTEMPTS
+from lm_resiliency.replication._rebuild import ConnectFailed, JoinTimeout, PeerGaveUp, Rebuilds
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +61,11 @@ class Edge:
         self.rank = rank
         self.peer = holder if rank == owner else owner
         self.timeout_s = timeout_s
-        self._store = store
+        self._store = _own_client(store)
         self._prefix = f"{prefix}/{owner}-{holder}"
         self._me = 0 if rank == owner else 1
         self._pg: Any = None
-        self._rebuilds_at: tuple[int, int] | None = None  # (step, attempts at that step)
+        self._agreement = Rebuilds(self._store, self._prefix, me=self._me, timeout_s=timeout_s)
         self.rebuilds = 0
 
     @property
@@ -75,36 +77,51 @@ class Edge:
         """Whether the next transfer must rebuild the group first."""
         return self._pg is None
 
-    def connect(self, key: str, *, step: int | None = None) -> None:
+    def connect(self, key: str) -> None:
         """Rendezvous with the peer under ``key`` and build a fresh group.
 
-        Both endpoints must call it with the same ``key``; returns once connected
-        or raises ``ReplicationError`` after ``timeout_s``.
+        Both endpoints must call it with the same ``key`` (the channel's first
+        connect); returns once connected or raises ``ReplicationError`` after
+        ``timeout_s``.
         """
         self.close()
-        store = PrefixStore(f"{self._prefix}/{key}/", self._store)
-        try:
-            self._pg = dist.ProcessGroupGloo(store, self._me, 2, timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:
-            at = "" if step is None else f" for step {step}"
-            raise ReplicationError(
-                f"rank {self.rank}: connect replication edge {self.name} with peer "
-                f"{self.peer}{at} failed within {self.timeout_s:g} s: {describe_failure(exc)}"
-            ) from exc
+        self._pg = self._group_on(PrefixStore(f"{self._prefix}/{key}/", self._store), None)
 
     def ensure(self, step: int) -> bool:
-        """Rebuild the group if broken, at a key both endpoints derive from ``step``.
+        """Rebuild the group if broken, for ``step``, on an attempt both endpoints joined.
 
-        Returns whether it rebuilt. Raises ``ReplicationError`` when the peer does
-        not join within ``timeout_s`` (the edge stays broken).
+        Returns whether it rebuilt. A connect that fails once both are there is
+        retried within this call. Raises ``ReplicationError`` (the edge stays
+        broken) when the peer does not come within ``timeout_s``, gave up this
+        step's transfer, or every connect failed.
         """
         if not self.broken:
             return False
-        attempt = 0
-        if self._rebuilds_at is not None and self._rebuilds_at[0] == step:
-            attempt = self._rebuilds_at[1] + 1
-        self._rebuilds_at = (step, attempt)
-        self.connect(f"step{step}.{attempt}", step=step)
+        at = (
+            f"rank {self.rank}: connect replication edge {self.name} with peer {self.peer} "
+            f"for step {step}"
+        )
+        try:
+            self._pg = self._agreement.rebuild(
+                step,
+                lambda store: self._group_on(store, step),
+                attempts=REPLICATION_REBUILD_ATTEMPTS,
+            )
+        except JoinTimeout as exc:
+            raise ReplicationError(
+                f"{at} failed: timed out (peer stalled, too slow, or not calling): {exc}"
+            ) from None
+        except PeerGaveUp as exc:
+            raise ReplicationError(f"{at} failed: {exc}") from None
+        except ConnectFailed as exc:
+            raise ReplicationError(
+                f"{at} failed {REPLICATION_REBUILD_ATTEMPTS} times although both endpoints "
+                f"were there; {exc}"
+            ) from exc
+        except ReplicationError:
+            raise
+        except RuntimeError as exc:  # the job's store itself failed
+            raise ReplicationError(f"{at} failed: the job's store failed: {exc}") from exc
         self.rebuilds += 1
         log.info(
             "rank %d: replication edge %s with peer %d rebuilt for step %d",
@@ -114,6 +131,21 @@ class Edge:
             step,
         )
         return True
+
+    def give_up(self, step: int) -> None:
+        """This endpoint's transfer for ``step`` failed for good: a peer that still
+        comes to rebuild the edge for ``step`` is told at once (it would wait in vain)."""
+        self._agreement.close(step)
+
+    def _group_on(self, store: Store, step: int | None) -> Any:
+        try:
+            return dist.ProcessGroupGloo(store, self._me, 2, timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            at = "" if step is None else f" for step {step}"
+            raise ReplicationError(
+                f"rank {self.rank}: connect replication edge {self.name} with peer "
+                f"{self.peer}{at} failed within {self.timeout_s:g} s: {describe_failure(exc)}"
+            ) from exc
 
     def mark_broken(self) -> None:
         """Close the group now: the stream may hold messages nobody will consume.
@@ -157,6 +189,22 @@ class Edge:
                 "not connected"
             )
         return self._pg
+
+
+def _own_client(store: Store) -> Store:
+    """A connection to ``store`` that this edge alone uses.
+
+    A TCPStore client serves one request at a time, and a ``wait`` holds it until
+    the key appears. The two edges of a rank rebuild at once on two threads; on a
+    shared client one edge's wait (for the peer's address, or for the peer to
+    arrive) kept the other edge from publishing its own, and the mirror image on
+    the peer kept both waiting until the timeout (issue 20, item 1).
+    """
+    try:
+        own: Store = store.clone()  # type: ignore[attr-defined]
+        return own
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return store  # a store type that cannot clone (e.g. a test's HashStore)
 
 
 def describe_failure(exc: BaseException) -> str:

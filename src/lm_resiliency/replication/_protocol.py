@@ -60,19 +60,24 @@ class Received:
 
 
 @contextlib.contextmanager
-def _dropping_edge_on_surprise(edge: Edge) -> Iterator[None]:
-    """Drop the edge when anything but a ReplicationError escapes a transfer.
+def _settling_failures(edge: Edge, step: int) -> Iterator[None]:
+    """Drop the edge when anything but a ReplicationError escapes a transfer, and give
+    up ``step`` on an edge a failure left broken.
 
     Such an exception (a failing ``progress`` callback, an interrupt) leaves
     operations posted on the edge that nobody will complete; Gloo would then
-    stall the stream, so both sides must rebuild it.
+    stall the stream, so both sides must rebuild it. Giving the step up tells a
+    peer that comes to rebuild the edge for it later that nobody will meet it.
     """
     try:
         yield
     except ReplicationError:
+        if edge.broken:
+            edge.give_up(step)
         raise
     except BaseException:
         edge.mark_broken()
+        edge.give_up(step)
         raise
 
 
@@ -82,9 +87,10 @@ def _opening(link: Link, fresh: bool, first_message: Callable[[], _T]) -> _T:
     The first message can fail on an edge that looked healthy here because the
     peer dropped it after a failure this rank never saw (it finished its side of
     the last transfer just before the peer gave up), or because the peer came so
-    late that this rank timed out. The peer then rebuilds the edge at this step's
-    key, so doing the same here meets it. An edge rebuilt for this very transfer
-    is not retried: its peer is really gone or late.
+    late that this rank timed out. The peer then rebuilds the edge for this step,
+    so doing the same here meets it; a peer that gave this step up says so at
+    once. An edge rebuilt for this very transfer is not retried: its peer is
+    really gone or late.
     """
     try:
         return first_message()
@@ -117,7 +123,7 @@ def offer(edge: Edge, step: int, blob: bytes | None, out: Outgoing | None, limit
     Returns once the peer acknowledged ``step`` and every byte; raises
     ``ReplicationError`` on rejection, mismatch, timeout or a lost peer.
     """
-    with _dropping_edge_on_surprise(edge):
+    with _settling_failures(edge, step):
         _offer(edge, step, blob, out, limits)
 
 
@@ -225,7 +231,7 @@ def accept(
     here as ``ReplicationError``. ``sink`` sees each chunk once it arrived; a
     trailer the header announces ends up in ``Received.trailer``.
     """
-    with _dropping_edge_on_surprise(edge):
+    with _settling_failures(edge, step):
         return _accept(
             edge,
             step,

@@ -15,9 +15,12 @@ only a rank and its two partners, never the whole job, and needs the job's
 ``torch.distributed`` store (or an explicit ``store``).
 
 Both directions of :meth:`ReplicationChannel.exchange` run at the same time
-(the receive side on a helper thread). Every wait is bounded by ``timeout_s``.
-After a failure the edge involved is rebuilt by both endpoints at the start of
-their next transfer; the failed cycle's replica is lost, later cycles work again.
+(the receive side on a helper thread). Every wait is bounded by ``timeout_s``,
+an edge rebuild's wait for the peer to arrive included. After a
+failure the edge involved is rebuilt by both endpoints at the start of their
+next transfer, once they agreed in the store to meet (see
+:mod:`lm_resiliency.replication._rebuild`); the failed cycle's replica is lost,
+later cycles work again.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ class ReplicationChannel:
 
     Arguments: ``chunk_bytes`` is the largest message (``replication_chunk_size``);
     ``max_in_flight`` chunks are outstanding per direction; ``timeout_s`` bounds
-    every single wait (connect, header, each chunk, ack), not a whole transfer;
+    every single wait (connect, a rebuild's wait for the peer, header, each chunk,
+    ack), not a whole transfer;
     ``progress(direction, done_bytes, total_bytes)`` is called after each chunk
     from the thread running that direction.
 

@@ -202,7 +202,9 @@ def _scout(
     (model, *rest) = adapter.modules()
     if rest:
         log.info("SCOUT checks the first of %d model chunks", 1 + len(rest))
-    return Scout(config, model, manager=manager, groups=groups, interval=manager.config.interval)
+    return Scout(
+        config, model, manager=manager.trust, groups=groups, interval=manager.config.interval
+    )
 
 
 def _manager(

@@ -17,12 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager, RecoveryReport
 from lm_resiliency.detection import RecoveryDecision, Scout, decide_recovery
 from lm_resiliency.errors import ConfigError
-from lm_resiliency.resiliency._collective import all_gather_ints
 
 __all__ = ["RecoveryInfo", "recover", "resumed"]
 
@@ -140,8 +137,7 @@ def _applied(
     if report.step is not None:
         resumed = apply(loaded)
         return RecoveryInfo(resumed, "gemini", tuple(report.sources), _since(t0), report)
-    fallback_step = _check_fallback_step(loaded)
-    _agree(manager, fallback_step)
+    fallback_step = _agree(manager, loaded)
     source = "fallback" if fallback_step is not None else "fresh"
     if step is not None:
         log.warning(
@@ -168,16 +164,22 @@ def _check_fallback_step(value: Any) -> int | None:
     return value
 
 
-def _agree(manager: InMemoryCheckpointManager, step: int | None) -> None:
-    if manager.world_size == 1 or not dist.is_initialized():
-        return
-    steps = all_gather_ints(-1 if step is None else step, manager.group)
+def _agree(manager: InMemoryCheckpointManager, loaded: Any) -> int | None:
+    """The fallback step, checked and compared on every rank over the bounded control plane.
+
+    A value refused on one rank is a ``ConfigError`` on every rank (naming it), and
+    different steps on different ranks are a ``ConfigError`` on every rank.
+    """
+    control = manager.control
+    step = control.agree(lambda: _check_fallback_step(loaded), "check the load_fallback() step")
+    steps = control.all_gather_ints(-1 if step is None else step, name="agree the fallback step")
     if len(set(steps)) != 1:
         shown = {r: (None if s < 0 else s) for r, s in enumerate(steps)}
         raise ConfigError(
             f"load_fallback() returned different steps on different ranks: {shown}; every "
             "rank must restore the same durable checkpoint step"
         )
+    return step
 
 
 def _since(t0: float) -> float:
