@@ -166,8 +166,9 @@ def _ensure(dir_fd: int, name: str, *, kind: str, key: str, value: str, where: s
         body = {"kind": kind, "version": 1, key: value}
         publish_bytes(dir_fd, name, json.dumps(body, indent=1).encode() + b"\n")
         return
-    if check_manifest(doc, name, dir_name=dir_name, where=where) != value:
+    if doc.get(key) != value:  # the expected identity is known here: name it
         raise _mismatch(where, key, doc.get(key), repr(value))
+    check_manifest(doc, name, dir_name=dir_name, where=where)
 
 
 def ensure_run_manifest(dir_fd: int, run_id: str, *, where: str) -> None:
