@@ -24,9 +24,9 @@ from lm_resiliency.errors import (
     StateEncodingError,
     StepAborted,
 )
+from lm_resiliency.frontdoor import ResiliencyHandle, enable_resiliency
 from lm_resiliency.recovery.mode import RecoveryMode
 from lm_resiliency.replication.chunking import estimate_chunk_size
-from lm_resiliency.resiliency import ResiliencyHandle, enable_resiliency
 from lm_resiliency.transactions.config import MTGSConfig
 
 __version__ = "0.3.0"

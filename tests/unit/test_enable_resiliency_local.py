@@ -24,7 +24,7 @@ from lm_resiliency import (
     StateEncodingError,
     enable_resiliency,
 )
-from lm_resiliency.resiliency.objects import StateObjects
+from lm_resiliency.frontdoor.objects import StateObjects
 from lm_resiliency.rng import capture_rng, restore_rng
 from lm_resiliency.state import decode_state, encode_state
 

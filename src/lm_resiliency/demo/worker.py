@@ -60,7 +60,7 @@ from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.demo.events import EventLog, process_start_time
 from lm_resiliency.demo.training import FRAMEWORKS, Trainer, digest
 from lm_resiliency.distributed import init_process_group, restart_count
-from lm_resiliency.resiliency import enable_resiliency
+from lm_resiliency.frontdoor import enable_resiliency
 
 FAULT_MARKER = "fault-injected"
 HOLD_MARKER = "hold-released"

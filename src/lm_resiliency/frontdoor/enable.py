@@ -13,15 +13,15 @@ from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.detection import ComparisonGroups, Scout, ScoutConfig
 from lm_resiliency.faults import FaultInjector
+from lm_resiliency.frontdoor.boundary import CaptureBoundary, WaitOnly
+from lm_resiliency.frontdoor.handle import ResiliencyHandle
+from lm_resiliency.frontdoor.objects import StateObjects
+from lm_resiliency.frontdoor.recover import recover, resumed
+from lm_resiliency.frontdoor.transact import attach_faults, build_mtgs, check_faults
+from lm_resiliency.frontdoor.tree import CaptureTree
+from lm_resiliency.frontdoor.validate import check_mtgs, check_scout, gemini_config
 from lm_resiliency.integrations.base import Adapter, Unbind
 from lm_resiliency.integrations.registry import adapter_for
-from lm_resiliency.resiliency.boundary import CaptureBoundary, WaitOnly
-from lm_resiliency.resiliency.handle import ResiliencyHandle
-from lm_resiliency.resiliency.objects import StateObjects
-from lm_resiliency.resiliency.recover import recover, resumed
-from lm_resiliency.resiliency.transact import attach_faults, build_mtgs, check_faults
-from lm_resiliency.resiliency.tree import CaptureTree
-from lm_resiliency.resiliency.validate import check_mtgs, check_scout, gemini_config
 from lm_resiliency.rng import restore_rng as restore_now
 from lm_resiliency.transactions.config import MTGSConfig
 
