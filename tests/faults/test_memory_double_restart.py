@@ -6,7 +6,7 @@ Job A (2 demo workers under torchrun, flush off) trains to step 12 (captures at
 first capture (15) -- and idles; it is SIGKILLed whole the same way. Job C should
 again recover step 10 from *own* memory on every rank.
 
-Issue 20 item 14: job B's ``commit_recovery()`` hands its own slot of step 10
+Issue 20 item 14: job B's ``commit_restore()`` hands its own slot of step 10
 over (zero-copy: the file leaves the memory folder, the optimizer state aliases
 its arena). Before the fix nothing re-created an own copy, so until B's first
 capture committed, the peer's replica was the only in-memory copy of step 10 and

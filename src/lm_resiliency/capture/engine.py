@@ -585,7 +585,7 @@ class CaptureEngine:
             crcs = arena_crcs(slot.arena)
             if keep.crcs is not None and crcs != keep.crcs:
                 log.warning(
-                    "rank %d: the recovered state of step %d changed before commit_recovery(); "
+                    "rank %d: the recovered state of step %d changed before commit_restore(); "
                     "it is not kept in own memory (its peer's replica and disk still hold it)",
                     self.rank,
                     cycle.step,

@@ -16,7 +16,7 @@ from lm_resiliency.faults import FaultInjector
 from lm_resiliency.frontdoor.boundary import CaptureBoundary, WaitOnly
 from lm_resiliency.frontdoor.handle import ResiliencyHandle
 from lm_resiliency.frontdoor.objects import StateObjects
-from lm_resiliency.frontdoor.recover import recover, resumed
+from lm_resiliency.frontdoor.resume import resume, resume_from_framework
 from lm_resiliency.frontdoor.transact import attach_faults, build_mtgs, check_faults
 from lm_resiliency.frontdoor.tree import CaptureTree
 from lm_resiliency.frontdoor.validate import check_mtgs, check_scout, gemini_config
@@ -134,11 +134,11 @@ def enable_adapter(
         if scout_config is not None:
             checker = _scout(scout_config, adapter, layout, manager)
         if resumed_step is None:
-            recovery = recover(
+            recovery = resume(
                 manager, tree.apply, fallback, scout=checker, failure_kind=failure_kind
             )
         else:
-            recovery = resumed(manager, resumed_step)
+            recovery = resume_from_framework(manager, resumed_step)
         boundary = CaptureBoundary(
             manager,
             interval=config.interval,
@@ -162,7 +162,7 @@ def enable_adapter(
         if installed:
             assert injector is not None
             unbind = _also_removing(unbind, injector)
-        manager.commit_recovery()  # applied and bound: only now is an own slot handed over
+        manager.commit_restore()  # applied and bound: only now is an own slot handed over
     except BaseException:
         if installed:
             assert injector is not None

@@ -19,7 +19,7 @@ import torch
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.errors import ConfigError, ResiliencyError
 from lm_resiliency.frontdoor.boundary import BlockingStats, CaptureBoundary, CaptureGate
-from lm_resiliency.frontdoor.recover import RecoveryInfo
+from lm_resiliency.frontdoor.resume import RecoveryInfo
 from lm_resiliency.integrations.base import Adapter, Unbind
 
 if TYPE_CHECKING:

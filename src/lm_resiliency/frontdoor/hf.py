@@ -88,7 +88,7 @@ class ResiliencyCallback(TrainerCallback):  # type: ignore[misc]
         self.last_start_step: int | None = None
         """The step the latest ``train()`` began after (0: fresh)."""
         self.last_recovery: Any = None
-        """The latest ``train()``'s :class:`~lm_resiliency.frontdoor.recover.RecoveryInfo`."""
+        """The latest ``train()``'s :class:`~lm_resiliency.frontdoor.resume.RecoveryInfo`."""
         self._adapter: HFAdapter | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._stepped = False

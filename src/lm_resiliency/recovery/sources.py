@@ -5,7 +5,7 @@ opens one fully validated (:meth:`~StepSource.open`: nothing is returned that
 failed a check) and says whether using it consumes it (own memory is handed
 over to the caller without a copy, so it is taken only after the whole
 recovery succeeded, the state applied included: see
-``InMemoryCheckpointManager.commit_recovery``). The manager builds one per place:
+``InMemoryCheckpointManager.commit_restore``). The manager builds one per place:
 
 ===============  ==================================================  =========
 source           what                                                consumes
