@@ -10,7 +10,7 @@ Low-level pieces live in :mod:`lm_resiliency.experimental`.
 from __future__ import annotations
 
 from lm_resiliency.config import InMemoryCkptConfig
-from lm_resiliency.detection.config import ScoutConfig
+from lm_resiliency.detection.scout_config import ScoutConfig
 from lm_resiliency.errors import (
     CaptureError,
     CheckpointFormatError,
@@ -27,7 +27,7 @@ from lm_resiliency.errors import (
 from lm_resiliency.frontdoor import ResiliencyHandle, enable_resiliency
 from lm_resiliency.recovery.mode import RecoveryMode
 from lm_resiliency.replication.chunking import estimate_chunk_size
-from lm_resiliency.transactions.config import MTGSConfig
+from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
 __version__ = "0.3.0"
 

@@ -23,7 +23,7 @@ from lm_resiliency.frontdoor.validate import check_mtgs, check_scout, gemini_con
 from lm_resiliency.integrations.base import Adapter, Unbind
 from lm_resiliency.integrations.registry import adapter_for
 from lm_resiliency.rng import restore_rng as restore_now
-from lm_resiliency.transactions.config import MTGSConfig
+from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
 __all__ = ["enable_adapter", "enable_resiliency"]
 

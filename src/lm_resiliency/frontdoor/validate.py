@@ -11,10 +11,10 @@ import logging
 from typing import Any
 
 from lm_resiliency.config import InMemoryCkptConfig
-from lm_resiliency.detection.config import ScoutConfig
+from lm_resiliency.detection.scout_config import ScoutConfig
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.integrations.base import Adapter
-from lm_resiliency.transactions.config import MTGSConfig
+from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
 __all__ = ["gemini_config", "check_mtgs", "check_scout"]
 
