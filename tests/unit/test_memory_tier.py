@@ -334,7 +334,7 @@ def test_checksums_are_verified_before_a_reattached_slot_is_used(
 def test_a_second_live_process_for_the_same_rank_is_refused(
     _isolated_memory_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(folder_mod, "LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(folder_mod, "MEMORY_LOCK_WAIT_S", 0.2)
     first = MemoryFolder(_isolated_memory_folder, run_id="r", topology="t" * 64, rank=0)
     try:
         with pytest.raises(ResiliencyError, match=r"in use by another live process \(pid \d+\)"):

@@ -66,10 +66,6 @@ from lm_resiliency.state import EncodedState, PartialEncoding, begin_encoding, e
 
 log = logging.getLogger(__name__)
 
-# Host copies are split into pieces of this size so a rate limit can pace them and a
-# huge tensor does not hold one core for a whole second.
-_HOST_PIECE_BYTES = HOST_COPY_PIECE_BYTES
-
 _CUDA = torch.cuda.is_available()
 
 
@@ -641,7 +637,7 @@ class CaptureEngine:
                 done += dst.numel() * dst.element_size()
                 continue
             flat_dst, flat_src = dst.view(-1), src.view(-1)
-            step = max(1, _HOST_PIECE_BYTES // max(1, src.element_size()))
+            step = max(1, HOST_COPY_PIECE_BYTES // max(1, src.element_size()))
             for i in range(0, flat_src.numel(), step):
                 flat_dst[i : i + step].copy_(flat_src[i : i + step])
                 done += min(step, flat_src.numel() - i) * src.element_size()

@@ -34,14 +34,9 @@ import torch
 
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.capture.slot import Slot
-from lm_resiliency.knobs import OWN_STORAGE_BYTES as _OWN_STORAGE_BYTES
 from lm_resiliency.persistence.reader import ShardReader
 from lm_resiliency.persistence.store import ShardStore
 from lm_resiliency.recovery.availability import Source
-
-#: Small tensors get storage of their own: some torch APIs (set_rng_state) ignore a
-#: view's storage offset. Large ones stay views of the arena (no second copy).
-OWN_STORAGE_BYTES = _OWN_STORAGE_BYTES
 
 
 @dataclass
