@@ -288,7 +288,7 @@ def _rank(rank: int, world: int, size_mib: int, repeats: int, root: str) -> dict
 
 
 def _demo_recovery(timeout_s: float) -> dict[str, Any] | None:
-    from lm_resiliency.demo.events import read_events
+    from lm_resiliency.demo.events import read_run_events
     from lm_resiliency.demo.launch import DemoSpec, start_job
     from lm_resiliency.demo.timeline import summarize
 
@@ -297,7 +297,7 @@ def _demo_recovery(timeout_s: float) -> dict[str, Any] | None:
         spec = DemoSpec(steps=40, interval=5, flush_interval=20, fault_step=33, fault_rank=1)
         job = start_job(spec, work / "run", work / "disk", nproc=4, run_id=f"b-{uuid.uuid4().hex}")
         done = job.wait(timeout_s)
-        rec = summarize(read_events(work / "run")).recovery
+        rec = summarize(read_run_events(work / "run")).recovery
         if done.returncode != 0 or rec is None:
             print(f"demo job failed (exit {done.returncode}); no recovery timing")
             return None
