@@ -45,8 +45,8 @@ from lm_resiliency.replication._link import (
     Allocator,
     ChunkSink,
     ChunkSource,
-    Limits,
     Progress,
+    TransferLimits,
     Validator,
 )
 from lm_resiliency.replication._protocol import Outgoing, Received, accept, offer
@@ -122,7 +122,7 @@ class ReplicationChannel:
         self.run_id = run_id
         self.send_to = plan.send_to(rank)
         self.recv_from = plan.recv_from(rank)
-        self._limits = Limits(chunk_bytes, max_in_flight, max_header_bytes, progress)
+        self._limits = TransferLimits(chunk_bytes, max_in_flight, max_header_bytes, progress)
         self._closed = False
         prefix = f"{namespace}/{next(_instances)}"
         self._out = Edge(
