@@ -116,7 +116,7 @@ def test_hand_over_keeps_the_step_in_a_fresh_file_that_the_next_capture_rotates(
         assert _same(state, _state(10))  # and nothing wrote into them
 
 
-def test_after_commit_recovery_own_memory_holds_the_recovered_bytes_that_a_step_leaves_alone(
+def test_after_commit_restore_own_memory_holds_the_recovered_bytes_that_a_step_leaves_alone(
     _isolated_memory_folder: Path,
 ) -> None:
     """Adam's state aliases the handed-over arena; the kept slot is a copy of it."""
@@ -465,7 +465,7 @@ def test_a_restarted_job_that_recovers_nothing_warns_without_any_logging_setup(
     assert "no step is available on every rank" in line and "rank 0: none" in line
 
 
-def test_a_state_changed_before_commit_recovery_is_not_kept_as_the_recovered_step(
+def test_a_state_changed_before_commit_restore_is_not_kept_as_the_recovered_step(
     _isolated_memory_folder: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     param = torch.nn.Parameter(torch.randn(1 << 19))  # 2 MiB: Adam's state aliases the arena
