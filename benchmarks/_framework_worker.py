@@ -178,7 +178,7 @@ def main() -> int:
     setups = {"deepspeed": deepspeed_setup, "megatron": megatron_setup}
     setup = setups.get(args.framework, torchtitan_setup)
     adapter, step = setup(args)
-    from lm_resiliency.resiliency.enable import enable_adapter
+    from lm_resiliency.frontdoor.enable import enable_adapter
 
     _phase(step, 1, 5)  # warm-up: allocator, optimizer state, first-step layouts
     baseline = _phase(step, 6, args.steps)

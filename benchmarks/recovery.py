@@ -227,9 +227,9 @@ def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[st
             t0 = time.perf_counter()
             loaded = manager.load(step)
             times[source].append(time.perf_counter() - t0)
-            assert manager.last_recovery is not None
-            sources[source] = manager.last_recovery.sources
-            phases.setdefault(source, []).append(manager.last_recovery.phases_s)
+            assert manager.last_restore is not None
+            sources[source] = manager.last_restore.sources
+            phases.setdefault(source, []).append(manager.last_restore.phases_s)
             if rep == 0:
                 _check_equal(loaded, state, source)
             del loaded
@@ -288,7 +288,7 @@ def _rank(rank: int, world: int, size_mib: int, repeats: int, root: str) -> dict
 
 
 def _demo_recovery(timeout_s: float) -> dict[str, Any] | None:
-    from lm_resiliency.demo.events import read_events
+    from lm_resiliency.demo.events import read_run_events
     from lm_resiliency.demo.launch import DemoSpec, start_job
     from lm_resiliency.demo.timeline import summarize
 
@@ -297,7 +297,7 @@ def _demo_recovery(timeout_s: float) -> dict[str, Any] | None:
         spec = DemoSpec(steps=40, interval=5, flush_interval=20, fault_step=33, fault_rank=1)
         job = start_job(spec, work / "run", work / "disk", nproc=4, run_id=f"b-{uuid.uuid4().hex}")
         done = job.wait(timeout_s)
-        rec = summarize(read_events(work / "run")).recovery
+        rec = summarize(read_run_events(work / "run")).recovery
         if done.returncode != 0 or rec is None:
             print(f"demo job failed (exit {done.returncode}); no recovery timing")
             return None
@@ -344,12 +344,12 @@ def _child(mode: str, size_mib: int, root: str) -> None:
     t4 = time.perf_counter()
     if step == 1:
         _check_equal(loaded, _state(size_mib * MIB, seed=7), f"a new process ({mode})")
-    assert manager.last_recovery is not None
+    assert manager.last_restore is not None
     crc_s = sum(manager.tier.verify_s) if manager.tier is not None else 0.0  # inside load_s
     manager.close(finished=False)
     print(json.dumps({
         "construct_s": t1 - t0, "find_latest_s": t2 - t1, "load_s": t3 - t2,
-        "restore_s": t3 - t0, "applied_s": t4 - t0, "sources": manager.last_recovery.sources,
+        "restore_s": t3 - t0, "applied_s": t4 - t0, "sources": manager.last_restore.sources,
         "attach_crc_s": crc_s,
     }))  # fmt: skip
 

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency.capture import Layout, allocate_arena
-from lm_resiliency.replication import DEFAULT_CHUNK_BYTES, PairingPlan, ReplicationChannel
+from lm_resiliency.knobs import REPLICATION_CHUNK_BYTES
+from lm_resiliency.replication import PairingPlan, ReplicationChannel
 from lm_resiliency.replication.header import make_header
 from lm_resiliency.testing import run_distributed
 
@@ -158,7 +159,7 @@ def main() -> None:
             f"{row['raw_two_groups_gbps']:>7.2f} {row['ours_gbps']:>6.2f}          "
             f"{row['ratio']:>8.2f} {row['ratio_vs_two_groups']:>11.2f}"
         )
-    default = [r for r in results if r["chunk_mib"] * MIB == DEFAULT_CHUNK_BYTES]
+    default = [r for r in results if r["chunk_mib"] * MIB == REPLICATION_CHUNK_BYTES]
     summary = {
         "benchmark": "replication",
         "unit": "GB/s per direction (1e9 bytes/s), both directions concurrently",

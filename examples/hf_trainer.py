@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from lm_resiliency import InMemoryCkptConfig
 from lm_resiliency.distributed import init_process_group
-from lm_resiliency.resiliency.hf import ResiliencyCallback
+from lm_resiliency.hf import ResiliencyCallback
 
 
 class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):

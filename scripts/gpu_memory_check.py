@@ -101,7 +101,7 @@ def restarted(memory: str) -> None:
         "step = m.find_latest(); got = m.load(step)\n"
         "g = torch.Generator(device='cuda').manual_seed(3)\n"
         "want = torch.randn(64 << 20, device='cuda', generator=g).cpu()\n"
-        "print(step, all(pinned) and bool(pinned), m.last_recovery.sources[0],\n"
+        "print(step, all(pinned) and bool(pinned), m.last_restore.sources[0],\n"
         "      torch.equal(got['w'], want))\n"
         "m.close()\n"
     )

@@ -2,7 +2,8 @@
 
 Stable API: the entry point :func:`enable_resiliency` and the
 :class:`ResiliencyHandle` it returns, the configurations
-(:class:`InMemoryCkptConfig`, :class:`MTGSConfig`, :class:`ScoutConfig`), the chunk-size estimator
+(:class:`InMemoryCkptConfig`, :class:`MTGSConfig`, :class:`ScoutConfig`, and
+:class:`ResiliencyConfig` holding all three), the chunk-size estimator
 (:func:`estimate_chunk_size`), recovery modes and the error hierarchy.
 Low-level pieces live in :mod:`lm_resiliency.experimental`.
 """
@@ -10,7 +11,7 @@ Low-level pieces live in :mod:`lm_resiliency.experimental`.
 from __future__ import annotations
 
 from lm_resiliency.config import InMemoryCkptConfig
-from lm_resiliency.detection.config import ScoutConfig
+from lm_resiliency.detection.scout_config import ScoutConfig
 from lm_resiliency.errors import (
     CaptureError,
     CheckpointFormatError,
@@ -24,10 +25,10 @@ from lm_resiliency.errors import (
     StateEncodingError,
     StepAborted,
 )
+from lm_resiliency.frontdoor import ResiliencyConfig, ResiliencyHandle, enable_resiliency
 from lm_resiliency.recovery.mode import RecoveryMode
 from lm_resiliency.replication.chunking import estimate_chunk_size
-from lm_resiliency.resiliency import ResiliencyHandle, enable_resiliency
-from lm_resiliency.transactions.config import MTGSConfig
+from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
 __version__ = "0.3.0"
 
@@ -43,6 +44,7 @@ __all__ = [
     "RankFailures",
     "RecoveryMode",
     "ReplicationError",
+    "ResiliencyConfig",
     "ResiliencyError",
     "ResiliencyHandle",
     "ScoutConfig",

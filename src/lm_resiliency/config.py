@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lm_resiliency._validate import Rule, Rules, at_least, positive_time, validate
 from lm_resiliency.errors import ConfigError
-from lm_resiliency.knobs import REPLICATION_CHUNK_BYTES
+from lm_resiliency.knobs import REPLICATION_CHUNK_BYTES, REPLICATION_TIMEOUT_S
 
 MiB = 1024 * 1024
 MEMORY_FOLDER_ENV = "LM_RESILIENCY_MEMORY_FOLDER"
@@ -90,7 +90,7 @@ class InMemoryCkptConfig:
     keep_generations: int = 2
     """Node-local generations kept besides the newest recovery-verified one."""
 
-    replication_timeout_s: float = 60.0
+    replication_timeout_s: float = REPLICATION_TIMEOUT_S
     """Bound on every replication wait; a late exchange drops that cycle's replica."""
 
     signal_flush: bool = True

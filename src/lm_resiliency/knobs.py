@@ -1,8 +1,8 @@
 """Internal tunables, in one place, each with the reason for its value.
 
 These are not configuration: users set :class:`~lm_resiliency.InMemoryCkptConfig`
-and friends. The modules that use a knob import it from here (some under a
-local name), so a test can override one through that module's attribute.
+and friends. The modules that use a knob import it from here under its own name and never re-alias
+it, so a test overrides one through that module's attribute of the same name.
 """
 
 from __future__ import annotations

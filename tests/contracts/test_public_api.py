@@ -33,6 +33,7 @@ STABLE_API = [
     "RankFailures",
     "RecoveryMode",
     "ReplicationError",
+    "ResiliencyConfig",
     "ResiliencyError",
     "ResiliencyHandle",
     "ScoutConfig",

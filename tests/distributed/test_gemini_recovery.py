@@ -49,7 +49,7 @@ def _peer_memory(rank: int, world: int, tmp: str) -> dict:
             m.drop_memory()  # a replaced process that rejoined with empty memory
         step = m.find_latest()
         state = m.load(step)
-        rep = m.last_recovery
+        rep = m.last_restore
         return {
             "step": step,
             "same": _same(state, _state(rank, step)),
@@ -85,7 +85,7 @@ def _persisted_then_restarted(m: InMemoryCheckpointManager, rank: int) -> None:
 
 def _outcome(m: InMemoryCheckpointManager, rank: int, newest: int | None) -> dict:
     state = m.load()
-    rep = m.last_recovery
+    rep = m.last_restore
     return {
         "newest": newest,
         "loaded": rep.step,
@@ -132,7 +132,7 @@ def _verified_walk_back(rank: int, world: int, tmp: str) -> dict:
             path.write_bytes(data[: len(data) // 2])
         torch.distributed.barrier()
         state = m.load(mode=RecoveryMode.RECOVERY_VERIFIED)
-        rep = m.last_recovery
+        rep = m.last_restore
         return {
             "newest": newest,
             "loaded": rep.step,
@@ -195,7 +195,7 @@ def _verified(rank: int, world: int, tmp: str) -> dict:
             "latest": latest,
             "verified": verified,
             "same": _same(state, _state(rank, 10)),
-            "loaded": m.last_recovery.step,
+            "loaded": m.last_restore.step,
         }
 
 
@@ -218,8 +218,8 @@ def _fallback(rank: int, world: int, tmp: str) -> dict:
         state = m.load()
         return {
             "same": _same(state, durable),
-            "sources": m.last_recovery.sources,
-            "step": m.last_recovery.step,
+            "sources": m.last_restore.sources,
+            "step": m.last_restore.step,
         }
 
 
@@ -256,7 +256,7 @@ def _shared_disk_flush(rank: int, world: int, tmp: str) -> dict:
         return {
             "written": written,
             "same": _same(state, _state(rank, 10)),
-            "sources": m.last_recovery.sources,
+            "sources": m.last_restore.sources,
         }
 
 
@@ -287,7 +287,7 @@ def _hsdp_replica(rank: int, world: int, tmp: str) -> dict:
             m.drop_memory()  # its node was lost: its memory is gone
         step = m.find_latest()
         state = m.load(step)
-        rep = m.last_recovery
+        rep = m.last_restore
         return {"step": step, "same": _same(state, _shard_state(shard, step)), "rep": rep.sources}
 
 

@@ -142,7 +142,7 @@ def _damaged_while_held(rank: int, world: int, tmp: str) -> dict:
             m.store().path_for(1, 20).unlink()
         dist.barrier()
         state = m.load()
-        rep = m.last_recovery
+        rep = m.last_restore
         return {
             "held": held,
             "step": rep.step,

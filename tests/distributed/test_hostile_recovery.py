@@ -67,7 +67,7 @@ def _recover(rank: int, world: int, tmp: str, damage: str) -> dict:
     with InMemoryCheckpointManager(_cfg(tmp, rank)) as m:
         step = m.find_latest()
         state = m.load(step)
-        rep = m.last_recovery
+        rep = m.last_restore
         out = {
             "listed": step,
             "step": rep.step,
@@ -122,7 +122,7 @@ def _fuzzed(rank: int, world: int, tmp: str, seed: int) -> list[tuple[int, bool]
         dist.barrier()
         with InMemoryCheckpointManager(_cfg(tmp, rank)) as m:
             state = m.load(m.find_latest())
-            step = m.last_recovery.step
+            step = m.last_restore.step
             results.append((step, torch.equal(state["w"], _state(rank, step)["w"])))
             m.close(finished=False)
         dist.barrier()
@@ -162,7 +162,7 @@ def _after_exit(rank: int, world: int, tmp: str) -> dict:
         step = m.find_latest()
         state = m.load(step)
         out = {"step": step, "same": torch.equal(state["w"], _state(rank, step)["w"])}
-        out["sources"] = m.last_recovery.sources
+        out["sources"] = m.last_restore.sources
         m.close(finished=False)
         return out
 

@@ -38,7 +38,7 @@ def _restart(rank: int, world: int, disk: str) -> dict:
         state = m.load(step) if step is not None else None
         expected = _state(rank, 10)["model"]["w"]
         same = state is not None and torch.equal(state["model"]["w"], expected)
-        return {"step": step, "sources": m.last_recovery.sources, "same": same}
+        return {"step": step, "sources": m.last_restore.sources, "same": same}
 
 
 def test_a_run_with_another_world_size_keeps_the_original_topologys_slots(tmp_path: Path) -> None:

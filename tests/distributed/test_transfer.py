@@ -7,9 +7,9 @@ import torch
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.checksums import ChunkCrc, pack_crcs
 from lm_resiliency.errors import IntegrityError, ReplicationError
+from lm_resiliency.knobs import CRC_CHUNK_BYTES
 from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
 from lm_resiliency.replication.transfer import (
-    CRC_CHUNK_BYTES,
     TransferKey,
     recv_checkpoint,
     send_checkpoint,

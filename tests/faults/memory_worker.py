@@ -43,7 +43,7 @@ def main() -> int:
     got = manager.load(step)
     want = state(step, mib) if step is not None else None
     same = want is not None and all(torch.equal(got[k], want[k]) for k in ("w", "tail"))
-    report = manager.last_recovery
+    report = manager.last_restore
     print(json.dumps({"step": step, "same": same, "sources": report.sources if report else None}))
     manager.close(finished=False)
     return 0

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from lm_resiliency.demo.events import read_events
+from lm_resiliency.demo.events import read_run_events
 from lm_resiliency.demo.launch import DemoSpec, compare_final, start_job
 from lm_resiliency.demo.timeline import summarize
 from lm_resiliency.demo.worker import HOLD_MARKER
@@ -80,7 +80,7 @@ def _start_node(
 def _wait_holding(run_dir: Path, jobs: list[TorchrunJob], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        holding = {r["rank"] for r in read_events(run_dir) if r["event"] == "holding"}
+        holding = {r["rank"] for r in read_run_events(run_dir) if r["event"] == "holding"}
         if holding == {0, 1, 2, 3}:
             return
         if time.monotonic() > deadline or any(j.poll() is not None for j in jobs):
@@ -117,7 +117,7 @@ def test_lost_node_recovers_from_replicas_in_the_surviving_nodes_memory(
     assert run_a.returncode == 0, run_a.describe()
     assert run_b2.returncode == 0, run_b2.describe()
 
-    summary = summarize(read_events(run_dir))
+    summary = summarize(read_run_events(run_dir))
     rec = summary.recovery
     assert rec is not None
     assert rec.step == 10
@@ -140,5 +140,5 @@ def test_lost_node_recovers_from_replicas_in_the_surviving_nodes_memory(
     assert reference.returncode == 0, reference.describe()
     comparison = compare_final(run_dir, ref_dir)
     assert comparison.identical, comparison
-    ref_digests = summarize(read_events(ref_dir)).finished.values()
+    ref_digests = summarize(read_run_events(ref_dir)).finished.values()
     assert len(set(summary.finished.values()) | set(ref_digests)) == 1

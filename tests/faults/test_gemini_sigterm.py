@@ -91,7 +91,7 @@ def _recover(folder: Path, marker_dir: Path) -> None:
     with InMemoryCheckpointManager(cfg) as m:
         assert m.find_latest() == 6
         state = m.load(6)
-        assert m.last_recovery.sources == ["own disk"]
+        assert m.last_restore.sources == ["own disk"]
     # the expected values were written with torch.save by the child (weights only)
     expected = torch.load(marker_dir / "ready.expected", weights_only=True)
     assert state["step"] == 6

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from lm_resiliency.demo.events import read_events
+from lm_resiliency.demo.events import read_run_events
 from lm_resiliency.demo.launch import DemoSpec, compare_final, start_job
 from lm_resiliency.demo.timeline import RunSummary, summarize
 
@@ -47,7 +47,7 @@ def _run(
     done = job.wait(_JOB_TIMEOUT_S)
     assert done.returncode == 0, done.describe()
     assert done.attempts == 1 + max_restarts, done.describe()
-    return run_dir, summarize(read_events(run_dir))
+    return run_dir, summarize(read_run_events(run_dir))
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,7 @@ def test_resume_from_checkpoint_wins_over_a_newer_gemini_step(tmp_path: Path) ->
 def test_a_run_past_the_first_pass_is_refused_before_any_step(tmp_path: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from lm_resiliency.resiliency.hf import ResiliencyCallback
+    from lm_resiliency.hf import ResiliencyCallback
 
     class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         def __len__(self) -> int:

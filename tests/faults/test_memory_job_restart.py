@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lm_resiliency.demo.events import read_events
+from lm_resiliency.demo.events import read_run_events
 from lm_resiliency.demo.launch import DemoSpec, compare_final, start_job
 from lm_resiliency.demo.timeline import summarize
 
@@ -28,7 +28,7 @@ _BASE = {"steps": 20, "interval": 5, "flush_interval": 0, "pg_timeout_s": 60.0}
 
 def _wait_for(run_dir: Path, event: str, ranks: set[int], job, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while {r["rank"] for r in read_events(run_dir) if r["event"] == event} != ranks:
+    while {r["rank"] for r in read_run_events(run_dir) if r["event"] == event} != ranks:
         assert job.poll() is None, job.stdout_so_far()
         assert time.monotonic() < deadline, f"no {event} from every rank"
         time.sleep(0.1)
@@ -48,13 +48,13 @@ def test_a_whole_job_restart_recovers_from_memory_and_another_run_never_sees_it(
     done = start_job(DemoSpec(**{**_BASE, "steps": 6}), other, disk, nproc=2,
                      run_id=f"{run_id}-other", max_restarts=0).wait(_TIMEOUT_S)  # fmt: skip
     assert done.returncode == 0, done.describe()
-    assert summarize(read_events(other)).recovery is None  # a fresh start
+    assert summarize(read_run_events(other)).recovery is None  # a fresh start
 
     again = tmp_path / "again"
     done = start_job(DemoSpec(**_BASE), again, disk, nproc=2, run_id=run_id,
                      max_restarts=0).wait(_TIMEOUT_S)  # fmt: skip
     assert done.returncode == 0, done.describe()
-    summary = summarize(read_events(again))
+    summary = summarize(read_run_events(again))
     rec = summary.recovery
     assert rec is not None and rec.step == 10
     assert rec.sources == {0: "own memory", 1: "own memory"}

@@ -134,7 +134,7 @@ def _restart(rank: int, world: int) -> dict:
             m.drop_memory()  # rank 0 needs its peer's replica of its state
         step = m.find_latest()
         state = m.load(step)
-        rep = m.last_recovery
+        rep = m.last_restore
         out = {
             "step": step,
             "same": torch.equal(state["w"], _big(rank, step)["w"]),

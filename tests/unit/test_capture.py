@@ -83,11 +83,11 @@ def test_contract_training_loop_round_trips_every_capture_bit_exactly() -> None:
         assert manager.slots()["own_previous"].step == 6
         _assert_same(manager.load(8), expected[8])
         _assert_same(manager.load(6), expected[6])  # own_previous
-        # load() leaves the slots attachable until the state is applied; commit_recovery()
+        # load() leaves the slots attachable until the state is applied; commit_restore()
         # then hands their arenas over instead of copying them, and (the slots live in the
         # memory folder) copies each step back into a fresh own slot in the background:
         # the last one recovered becomes own_current, so the next capture keeps it
-        manager.commit_recovery()
+        manager.commit_restore()
         manager.maybe_wait()  # the copies are done; each is complete once its CRCs matched
         manager.wait_persisted()
         assert {r: s.step for r, s in manager.slots().items()} == {

@@ -11,7 +11,7 @@ from lm_resiliency import InMemoryCkptConfig
 from lm_resiliency.cli.main import main
 from lm_resiliency.experimental import InMemoryCheckpointManager
 from lm_resiliency.memory import MemoryFolder
-from lm_resiliency.memory.catalog import scan_memory
+from lm_resiliency.memory.scan import scan_memory
 from lm_resiliency.persistence import namespace as ns
 
 

@@ -19,12 +19,13 @@ from lm_resiliency import (
     ConfigError,
     InMemoryCkptConfig,
     MTGSConfig,
+    ResiliencyConfig,
     ResiliencyError,
     ScoutConfig,
     StateEncodingError,
     enable_resiliency,
 )
-from lm_resiliency.resiliency.objects import StateObjects
+from lm_resiliency.frontdoor.objects import StateObjects
 from lm_resiliency.rng import capture_rng, restore_rng
 from lm_resiliency.state import decode_state, encode_state
 
@@ -142,6 +143,45 @@ def test_interval_overrides_the_config_interval() -> None:
     with enable_resiliency(model, opt, interval=2, config=config) as resiliency:
         assert resiliency.manager.config.interval == 2
         assert str(resiliency.manager.config.disk_folder) == "elsewhere"
+
+
+def test_a_resiliency_config_is_the_same_call_as_the_separate_arguments() -> None:
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gemini = InMemoryCkptConfig(interval=7, disk_folder="elsewhere")
+    nested = ResiliencyConfig(gemini=gemini)
+    with enable_resiliency(model, opt, interval=2, config=nested) as resiliency:
+        assert resiliency.manager.config.interval == 2
+        assert str(resiliency.manager.config.disk_folder) == "elsewhere"
+        assert resiliency.mtgs is None
+    # The nested tiers reach the same checks as mtgs=/scout= (this model has no replicas).
+    for tier, message in (
+        (ResiliencyConfig(mtgs=MTGSConfig()), "needs a DistributedDataParallel model"),
+        (ResiliencyConfig(scout=ScoutConfig()), "compares data-parallel replicas"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            enable_resiliency(model, opt, config=tier)
+
+
+@pytest.mark.parametrize(
+    ("nested", "kwargs", "message"),
+    [
+        ({"mtgs": MTGSConfig()}, {"mtgs": MTGSConfig()}, "mtgs is given twice"),
+        ({"scout": ScoutConfig()}, {"scout": ScoutConfig()}, "scout is given twice"),
+        (
+            {"gemini": {"interval": 5}},
+            {},
+            "ResiliencyConfig.gemini=.* must be an InMemoryCkptConfig",
+        ),
+    ],
+)
+def test_a_resiliency_config_refuses_a_tier_given_twice_or_of_the_wrong_type(
+    nested: dict[str, Any], kwargs: dict[str, Any], message: str
+) -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=message):
+        enable_resiliency(model, opt, config=ResiliencyConfig(**nested), **kwargs)
 
 
 def _overrides(caplog: pytest.LogCaptureFixture) -> list[str]:

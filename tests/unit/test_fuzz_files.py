@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from lm_resiliency.capture import Layout
 from lm_resiliency.errors import ShardUnavailable, SidecarUnavailable
 from lm_resiliency.faults.disk import data_start
-from lm_resiliency.memory.catalog import scan_memory
+from lm_resiliency.memory.scan import scan_memory
 from lm_resiliency.memory.slotfile import (
     SlotFile,
     SlotIdentity,

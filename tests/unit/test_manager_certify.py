@@ -11,7 +11,7 @@ import torch
 from lm_resiliency import InMemoryCkptConfig, RecoveryMode
 from lm_resiliency.experimental import InMemoryCheckpointManager
 from lm_resiliency.persistence import RecoveryVerdict, TrustStatus
-from lm_resiliency.persistence.catalog import scan
+from lm_resiliency.persistence.scan import scan_checkpoints
 
 
 def _cfg(tmp: Path) -> InMemoryCkptConfig:
@@ -25,7 +25,7 @@ def _state(step: int) -> dict:
 
 
 def _trust_on_disk(tmp: Path) -> dict[int, str | None]:
-    (run,) = scan(tmp)
+    (run,) = scan_checkpoints(tmp)
     (topo,) = run.topologies
     return {g.step: g.shards[0].trust for g in topo.generations}
 

@@ -156,7 +156,7 @@ def test_a_flipped_byte_in_a_committed_slot_is_refused_at_reattach_by_default(
         assert m.find_latest() == 20
         state = m.load()
         assert _same(state, _state(10))  # never the damaged bytes: the next source
-        report = m.last_recovery
+        report = m.last_restore
         assert report.walked_back_from == [20]
         problems = " ".join(report.problems)
         assert "checksum_mismatch" in problems and str(p) in problems

@@ -87,7 +87,7 @@ def test_a_new_manager_reattaches_the_committed_slots_and_restores_from_memory(
         assert m.find_latest() == 20
         state = m.load(20)
         assert _same(state, _state(20))
-        assert m.last_recovery.sources == ["own memory"]
+        assert m.last_restore.sources == ["own memory"]
         # the older capture is still there, from the other slot
         assert _same(m.load(10), _state(10))
 
@@ -100,7 +100,7 @@ def test_hand_over_keeps_the_step_in_a_fresh_file_that_the_next_capture_rotates(
         (handed,) = _slots(_isolated_memory_folder)
         handed_inode = handed.stat().st_ino
         state = m.load(m.find_latest())
-        m.commit_recovery()
+        m.commit_restore()
         m.maybe_wait()  # the copy back into own memory is complete
         m.wait_persisted()  # and committed
         (kept,) = _slots(_isolated_memory_folder)
@@ -116,7 +116,7 @@ def test_hand_over_keeps_the_step_in_a_fresh_file_that_the_next_capture_rotates(
         assert _same(state, _state(10))  # and nothing wrote into them
 
 
-def test_after_commit_recovery_own_memory_holds_the_recovered_bytes_that_a_step_leaves_alone(
+def test_after_commit_restore_own_memory_holds_the_recovered_bytes_that_a_step_leaves_alone(
     _isolated_memory_folder: Path,
 ) -> None:
     """Adam's state aliases the handed-over arena; the kept slot is a copy of it."""
@@ -141,7 +141,7 @@ def test_after_commit_recovery_own_memory_holds_the_recovered_bytes_that_a_step_
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         live = opt.state_dict()["state"][0]["exp_avg"]
-        m.commit_recovery()
+        m.commit_restore()
         model(torch.randn(8, 512)).sum().backward()
         m.maybe_wait()  # before the step changes the handed-over arena
         opt.step()
@@ -154,7 +154,7 @@ def test_after_commit_recovery_own_memory_holds_the_recovered_bytes_that_a_step_
     with InMemoryCheckpointManager(_cfg()) as again:
         assert again.find_latest() == 10
         kept = again.load(10)
-        assert again.last_recovery.sources == ["own memory"]
+        assert again.last_restore.sources == ["own memory"]
         assert _same(kept["optim"]["state"][0], reference)
         assert _same(kept["model"], weights)
 
@@ -164,7 +164,7 @@ def test_without_a_memory_folder_nothing_is_kept_after_the_hand_over(tmp_path: P
     m.save(_state(10), 10)
     m.maybe_wait()
     state = m.load(10)
-    m.commit_recovery()  # process memory dies with the process: no copy is made
+    m.commit_restore()  # process memory dies with the process: no copy is made
     m.maybe_wait()
     assert not m.survives_process and not m.stats.kept_copy_s
     assert [s.step for s in m.slots().values()] == [None, None]
@@ -212,7 +212,7 @@ def test_a_finished_run_is_not_resumed_unless_asked(
     with InMemoryCheckpointManager(_cfg(**cfg, resume="finished")) as resumed:
         assert resumed.find_latest() == 30
         assert _same(resumed.load(30), _state(30))
-        assert resumed.last_recovery.sources == ["own disk"]
+        assert resumed.last_restore.sources == ["own disk"]
 
 
 def _magic(p: Path) -> None:
@@ -326,15 +326,15 @@ def test_checksums_are_verified_before_a_reattached_slot_is_used(
         assert m.find_latest() == 20  # listed: its record is intact
         state = m.load()
         assert _same(state, _state(10))  # walked back past the damaged bytes
-        assert m.last_recovery.walked_back_from == [20]
-        assert "checksum_mismatch" in " ".join(m.last_recovery.problems)
+        assert m.last_restore.walked_back_from == [20]
+        assert "checksum_mismatch" in " ".join(m.last_restore.problems)
         m.close(finished=False)
 
 
 def test_a_second_live_process_for_the_same_rank_is_refused(
     _isolated_memory_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(folder_mod, "LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(folder_mod, "MEMORY_LOCK_WAIT_S", 0.2)
     first = MemoryFolder(_isolated_memory_folder, run_id="r", topology="t" * 64, rank=0)
     try:
         with pytest.raises(ResiliencyError, match=r"in use by another live process \(pid \d+\)"):
@@ -465,7 +465,7 @@ def test_a_restarted_job_that_recovers_nothing_warns_without_any_logging_setup(
     assert "no step is available on every rank" in line and "rank 0: none" in line
 
 
-def test_a_state_changed_before_commit_recovery_is_not_kept_as_the_recovered_step(
+def test_a_state_changed_before_commit_restore_is_not_kept_as_the_recovered_step(
     _isolated_memory_folder: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     param = torch.nn.Parameter(torch.randn(1 << 19))  # 2 MiB: Adam's state aliases the arena
@@ -479,11 +479,11 @@ def test_a_state_changed_before_commit_recovery_is_not_kept_as_the_recovered_ste
     first.close(finished=False)
     with InMemoryCheckpointManager(_cfg()) as m, caplog.at_level(logging.WARNING):
         opt.load_state_dict(m.load(10)["optim"])
-        opt.step()  # before commit_recovery(): the handed-over bytes are no longer step 10
-        m.commit_recovery()
+        opt.step()  # before commit_restore(): the handed-over bytes are no longer step 10
+        m.commit_restore()
         m.maybe_wait()
         m.wait_persisted()
         committed = [p for p in _slots(_isolated_memory_folder) if _state_word(p) == _COMMITTED]
         assert [_step_of(p) for p in committed] == [5]  # the copy's file stays, uncommitted
         assert [s.step for s in m.slots().values()] == [None, 5]
-        assert "changed before commit_recovery()" in caplog.text
+        assert "changed before commit_restore()" in caplog.text

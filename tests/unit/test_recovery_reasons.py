@@ -1,4 +1,4 @@
-"""Why a rank was not served from own memory: the reason per rank in ``last_recovery``."""
+"""Why a rank was not served from own memory: the reason per rank in ``last_restore``."""
 
 from __future__ import annotations
 

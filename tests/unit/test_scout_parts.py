@@ -41,7 +41,7 @@ from lm_resiliency.recovery.mode import RecoveryMode
         ({"interval": True}, "ScoutConfig.interval=True must be an int"),
         ({"enable": 1}, "ScoutConfig.enable=1 must be True or False"),
         ({"dense": {"interval": 3}}, "ScoutConfig.dense={'interval': 3} must be a RecipeClass"),
-        ({"straggler_floor_s": float("nan")}, "straggler_floor_s=nan is invalid"),
+        ({"straggler_floor_s": float("nan")}, "straggler_floor_s=nan must be a finite number"),
         ({"straggler_min_slowdown": 0.5}, "straggler_min_slowdown=0.5 is invalid"),
         ({"timeout_s": 0}, "ScoutConfig.timeout_s=0 is invalid"),
         (

@@ -22,7 +22,7 @@ from lm_resiliency.state import (
     DEFAULT_LIMITS,
     SCHEMA_VERSION,
     Deferred,
-    Limits,
+    DocumentLimits,
     begin_encoding,
     decode_state,
     dumps_document,
@@ -452,20 +452,22 @@ def _nested(depth: int) -> Any:
 
 
 def test_encode_enforces_depth_items_string_int_and_size_limits() -> None:
-    limits = Limits(max_depth=4, max_items=50, max_string_bytes=64, max_int_bits=64, max_bytes=2000)
+    limits = DocumentLimits(
+        max_depth=4, max_items=50, max_string_bytes=64, max_int_bits=64, max_bytes=2000
+    )
     encode_state(_nested(4), limits=limits)
-    with pytest.raises(StateEncodingError, match=r"Limits\.max_depth=4") as info:
+    with pytest.raises(StateEncodingError, match=r"DocumentLimits\.max_depth=4") as info:
         encode_state({"a": {"b": _nested(3)}}, limits=limits)
     assert "'a/b/0/0'" in str(info.value)
-    with pytest.raises(StateEncodingError, match=r"Limits\.max_items=50"):
+    with pytest.raises(StateEncodingError, match=r"DocumentLimits\.max_items=50"):
         encode_state(list(range(50)), limits=limits)
-    with pytest.raises(StateEncodingError, match=r"Limits\.max_string_bytes=64"):
+    with pytest.raises(StateEncodingError, match=r"DocumentLimits\.max_string_bytes=64"):
         encode_state({"s": "é" * 33}, limits=limits)
-    with pytest.raises(StateEncodingError, match=r"Limits\.max_string_bytes=64"):
+    with pytest.raises(StateEncodingError, match=r"DocumentLimits\.max_string_bytes=64"):
         encode_state({"a": np.zeros(10)}, limits=limits)
-    with pytest.raises(StateEncodingError, match=r"Limits\.max_int_bits=64"):
+    with pytest.raises(StateEncodingError, match=r"DocumentLimits\.max_int_bits=64"):
         encode_state({"i": [1, 2**64]}, limits=limits)
-    with pytest.raises(StateEncodingError, match=r"Limits\.max_bytes=2000"):
+    with pytest.raises(StateEncodingError, match=r"DocumentLimits\.max_bytes=2000"):
         encode_state(["x" * 60] * 40, limits=limits)
 
 
@@ -478,16 +480,16 @@ def test_reference_cycle_is_reported_as_too_deep() -> None:
 
 def test_limits_reject_bad_configuration() -> None:
     with pytest.raises(ConfigError, match="max_items=0"):
-        Limits(max_items=0)
+        DocumentLimits(max_items=0)
     with pytest.raises(ConfigError, match="max_depth=1000"):
-        Limits(max_depth=1000)
+        DocumentLimits(max_depth=1000)
     with pytest.raises(ConfigError, match="max_int_bits=100000"):
-        Limits(max_int_bits=100_000)
+        DocumentLimits(max_int_bits=100_000)
     assert DEFAULT_LIMITS.max_depth == 64
 
 
 def test_encoded_document_passes_validation_at_the_same_limits() -> None:
-    limits = Limits(max_depth=5, max_items=200, max_string_bytes=200, max_bytes=4000)
+    limits = DocumentLimits(max_depth=5, max_items=200, max_string_bytes=200, max_bytes=4000)
     tree = {"a": [[[{"b": "y" * 199}]]], "n": list(range(100)), "t": torch.ones(2)}
     enc = encode_state(tree, limits=limits)
     validate_document(json.loads(json.dumps(enc.document)), limits=limits, tensor_count=1)
@@ -513,8 +515,8 @@ def test_loads_document_rejects_non_json_text() -> None:
         loads_document(b"\xff\xfe")
     with pytest.raises(StateSchemaError, match="must be a JSON object"):
         loads_document("[1]")
-    with pytest.raises(StateSchemaError, match=r"Limits\.max_bytes=10"):
-        loads_document('{"schema": "x"}', limits=Limits(max_bytes=10))
+    with pytest.raises(StateSchemaError, match=r"DocumentLimits\.max_bytes=10"):
+        loads_document('{"schema": "x"}', limits=DocumentLimits(max_bytes=10))
     with pytest.raises(StateSchemaError, match="not valid JSON"):
         loads_document("[" * 100_000 + "]" * 100_000)
 

@@ -21,7 +21,7 @@ from hypothesis.extra import numpy as hnp
 from lm_resiliency.errors import StateEncodingError, StateSchemaError
 from lm_resiliency.state import (
     SCHEMA_VERSION,
-    Limits,
+    DocumentLimits,
     decode_state,
     encode_state,
     validate_document,
@@ -321,9 +321,9 @@ MALFORMED = [
     (_doc({"k": "device", "v": "warp:0"}), "unknown torch device 'warp:0'"),
     (_doc({"k": "size", "v": [1, "2"]}), "'size' dimension must be an int"),
     (_doc({"k": "size", "v": [2**64]}), "outside"),
-    (_doc(2**5000), "over Limits.max_int_bits=4096"),
-    (_doc(_deep(10_000)), "deeper than Limits.max_depth=64"),
-    (_doc(_cyclic()), "deeper than Limits.max_depth=64"),
+    (_doc(2**5000), "over DocumentLimits.max_int_bits=4096"),
+    (_doc(_deep(10_000)), "deeper than DocumentLimits.max_depth=64"),
+    (_doc(_cyclic()), "deeper than DocumentLimits.max_depth=64"),
 ]
 
 
@@ -350,36 +350,38 @@ def test_error_names_the_key_path_of_the_bad_node() -> None:
 
 
 def test_validator_limits_name_the_limit() -> None:
-    limits = Limits(max_depth=3, max_items=10, max_string_bytes=8, max_bytes=120, max_int_bits=16)
+    limits = DocumentLimits(
+        max_depth=3, max_items=10, max_string_bytes=8, max_bytes=120, max_int_bits=16
+    )
     validate_document(_doc(_deep(3)), limits=limits)
-    with pytest.raises(StateSchemaError, match=r"deeper than Limits\.max_depth=3"):
+    with pytest.raises(StateSchemaError, match=r"deeper than DocumentLimits\.max_depth=3"):
         validate_document(_doc(_deep(4)), limits=limits)
-    with pytest.raises(StateSchemaError, match=r"deeper than Limits\.max_depth=3"):
+    with pytest.raises(StateSchemaError, match=r"deeper than DocumentLimits\.max_depth=3"):
         validate_document(
             _doc({"k": "tuple", "v": [{"k": "dict", "v": {"a": [[1]]}}]}), limits=limits
         )
     validate_document(_doc(list(range(9))), limits=limits)
-    with pytest.raises(StateSchemaError, match=r"more than Limits\.max_items=10 values"):
+    with pytest.raises(StateSchemaError, match=r"more than DocumentLimits\.max_items=10 values"):
         validate_document(_doc(list(range(10))), limits=limits)
-    with pytest.raises(StateSchemaError, match=r"more than Limits\.max_items=10 values"):
+    with pytest.raises(StateSchemaError, match=r"more than DocumentLimits\.max_items=10 values"):
         validate_document(_doc({"k": "dict", "v": {str(i): i for i in range(5)}}), limits=limits)
-    with pytest.raises(StateSchemaError, match=r"over Limits\.max_string_bytes=8"):
+    with pytest.raises(StateSchemaError, match=r"over DocumentLimits\.max_string_bytes=8"):
         validate_document(_doc("ééééé"), limits=limits)
-    with pytest.raises(StateSchemaError, match=r"over Limits\.max_int_bits=16"):
+    with pytest.raises(StateSchemaError, match=r"over DocumentLimits\.max_int_bits=16"):
         validate_document(_doc([2**16]), limits=limits)
-    with pytest.raises(StateSchemaError, match=r"over Limits\.max_bytes=120"):
+    with pytest.raises(StateSchemaError, match=r"over DocumentLimits\.max_bytes=120"):
         validate_document(_doc(["abcdefgh"] * 9), limits=limits)
 
 
 @PROPERTY
 @given(trees)
 def test_what_encode_accepts_under_tight_limits_validates_under_them(tree: Any) -> None:
-    limits = Limits(
+    limits = DocumentLimits(
         max_depth=3, max_items=40, max_string_bytes=64, max_bytes=3000, max_int_bits=100
     )
     try:
         enc = encode_state(tree, limits=limits)
     except StateEncodingError as exc:
-        assert "Limits." in str(exc)
+        assert "DocumentLimits." in str(exc)
         return
     validate_document(_json(enc.document), tensor_count=len(enc.tensors), limits=limits)

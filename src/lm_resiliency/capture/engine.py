@@ -66,10 +66,6 @@ from lm_resiliency.state import EncodedState, PartialEncoding, begin_encoding, e
 
 log = logging.getLogger(__name__)
 
-# Host copies are split into pieces of this size so a rate limit can pace them and a
-# huge tensor does not hold one core for a whole second.
-_HOST_PIECE_BYTES = HOST_COPY_PIECE_BYTES
-
 _CUDA = torch.cuda.is_available()
 
 
@@ -585,7 +581,7 @@ class CaptureEngine:
             crcs = arena_crcs(slot.arena)
             if keep.crcs is not None and crcs != keep.crcs:
                 log.warning(
-                    "rank %d: the recovered state of step %d changed before commit_recovery(); "
+                    "rank %d: the recovered state of step %d changed before commit_restore(); "
                     "it is not kept in own memory (its peer's replica and disk still hold it)",
                     self.rank,
                     cycle.step,
@@ -641,7 +637,7 @@ class CaptureEngine:
                 done += dst.numel() * dst.element_size()
                 continue
             flat_dst, flat_src = dst.view(-1), src.view(-1)
-            step = max(1, _HOST_PIECE_BYTES // max(1, src.element_size()))
+            step = max(1, HOST_COPY_PIECE_BYTES // max(1, src.element_size()))
             for i in range(0, flat_src.numel(), step):
                 flat_dst[i : i + step].copy_(flat_src[i : i + step])
                 done += min(step, flat_src.numel() - i) * src.element_size()

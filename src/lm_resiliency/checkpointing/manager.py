@@ -12,7 +12,7 @@ Call order on every rank (the plain training loop of README.md, "The GEMINI mana
     manager.close()
 
 and on recovery, on every rank: ``step = manager.find_latest()`` then
-``state = manager.load(step)``, apply ``state``, then ``manager.commit_recovery()``
+``state = manager.load(step)``, apply ``state``, then ``manager.commit_restore()``
 (``save`` and ``maybe_wait`` commit it too, at the latest).
 
 Which calls are collective: the constructor (creates the control plane,
@@ -45,7 +45,7 @@ from lm_resiliency.checkpointing.exit import ExitGuard
 from lm_resiliency.checkpointing.flush import DiskFlusher, FlushStats, flush_due
 from lm_resiliency.checkpointing.history import History
 from lm_resiliency.checkpointing.peer import ReplicationStats
-from lm_resiliency.checkpointing.restore import RecoveryReport, Restorer, SourceSet
+from lm_resiliency.checkpointing.restore import Restorer, RestoreReport, SourceSet
 from lm_resiliency.checkpointing.setup import (
     Parts,
     agree_identity,
@@ -67,7 +67,7 @@ from lm_resiliency.recovery.mode import RecoveryMode
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InMemoryCheckpointManager", "RecoveryReport"]
+__all__ = ["InMemoryCheckpointManager", "RestoreReport"]
 
 
 class InMemoryCheckpointManager:
@@ -98,10 +98,10 @@ class InMemoryCheckpointManager:
         distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None else (dist.group.WORLD if distributed else None)
         self.load_fallback = load_fallback
-        self.last_recovery: RecoveryReport | None = None
+        self.last_restore: RestoreReport | None = None
         self._closed = False
         self._last_capture: int | None = None
-        self._handovers: list[Callable[[], object]] = []  # of the last load: see commit_recovery
+        self._handovers: list[Callable[[], object]] = []  # of the last load: see commit_restore
         other_topologies: list[str] = []  # this run's namespaces for another world size or pairing
         self.control = control = ControlPlane(self.group, timeout_s=cfg.control_timeout_s)
         self.rank, self.world_size = rank, _world = control.rank, control.world_size
@@ -183,7 +183,7 @@ class InMemoryCheckpointManager:
             return
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int (the optimizer step)")
-        self.commit_recovery()  # training went on: the recovered state was applied
+        self.commit_restore()  # training went on: the recovered state was applied
         self.history.commit(None, None)  # no recovery decided before: this is a fresh timeline
         self._engine.capture(state, step)
 
@@ -195,7 +195,7 @@ class InMemoryCheckpointManager:
         for a failed background capture.
         """
         self._check_open()
-        self.commit_recovery()  # before the optimizer changes what load() returned
+        self.commit_restore()  # before the optimizer changes what load() returned
         self._engine.wait_captured()
 
     def _after_capture(self, slot: Slot) -> None:
@@ -274,14 +274,14 @@ class InMemoryCheckpointManager:
         step is returned on every rank or on none. Without any GEMINI step,
         ``load_fallback()`` is returned when given. Tensors are CPU tensors,
         bit-identical to the captured ones, owned by the caller.
-        ``last_recovery`` then says which step and sources were used. Raises
+        ``last_restore`` then says which step and sources were used. Raises
         ``NoConsistentStep``.
 
         Restoring from own memory copies nothing: the returned tensors are
         views of the slot's arena. The slot is handed over (its file leaves the
         memory folder; a fresh own copy of the step is committed there in the
         background, which ``maybe_wait`` waits for) only at
-        :meth:`commit_recovery`, which ``save`` and ``maybe_wait`` call too.
+        :meth:`commit_restore`, which ``save`` and ``maybe_wait`` call too.
         Until then it stays committed: a process that dies while applying the
         state (or that raises first) leaves it for the restarted process.
         """
@@ -289,7 +289,7 @@ class InMemoryCheckpointManager:
         outcome = self._restorer.load(step, RecoveryMode(mode), self.load_fallback)
         if outcome.fetched is not None and outcome.fetched.consume is not None:
             self._handovers.append(outcome.fetched.consume)
-        self.last_recovery = outcome.report
+        self.last_restore = outcome.report
         chosen = outcome.report.step
         fresh = self._last_capture is None  # nothing written under this timeline yet
         if chosen is None:
@@ -299,7 +299,7 @@ class InMemoryCheckpointManager:
             self.history.commit(parent, chosen, replace=fresh)
         return outcome.state
 
-    def commit_recovery(self) -> None:
+    def commit_restore(self) -> None:
         """Local: the state of the last ``load`` is applied; hand its own-memory slot over.
 
         Call after the recovered state is in the model and optimizer (the front

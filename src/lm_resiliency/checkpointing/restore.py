@@ -1,4 +1,8 @@
-"""The manager's recovery: gather availability, choose the step, fetch it, say what happened.
+"""The manager's restore: gather availability, choose the step, fetch it, say what happened.
+
+Vocabulary: the manager *restores* (``Restorer``, :class:`RestoreReport`,
+``manager.last_restore``, ``commit_restore``); the step choice and fetch it drives are
+:mod:`lm_resiliency.recovery`; the front door *resumes* (:mod:`lm_resiliency.frontdoor.resume`).
 
 Call order (every rank; both calls are collective)::
 
@@ -48,7 +52,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class RecoveryReport:
+class RestoreReport:
     """What one ``load`` did: the step, each rank's source, bytes moved, time per phase."""
 
     step: int | None
@@ -66,7 +70,7 @@ class RecoveryReport:
 @dataclass
 class Outcome:
     state: Any
-    report: RecoveryReport
+    report: RestoreReport
     fetched: Fetched | None
 
 
@@ -255,7 +259,7 @@ class Restorer:
             phases = {"agree": t_agree, "fetch": time.perf_counter() - t1, **got.phases_s}
             labels = [src.label for src in got.sources]
             reasons = not_own_memory(s, got.sources, got.problems, reports)
-            report = RecoveryReport(
+            report = RestoreReport(
                 s, labels, got.bytes_moved, failed, phases, problems + got.problems, reasons
             )
             self._record(report, time.perf_counter() - t0)
@@ -272,7 +276,7 @@ class Restorer:
         )
         self._say_nothing(reports, mode, why)
         if fallback is not None:
-            report = RecoveryReport(
+            report = RestoreReport(
                 None, [Source.FALLBACK.label] * len(table), 0, failed, {}, problems
             )
             state = fallback()
@@ -287,7 +291,7 @@ class Restorer:
             "load_fallback=<load your durable checkpoint> to recover from it"
         )
 
-    def _record(self, report: RecoveryReport, seconds: float) -> None:
+    def _record(self, report: RestoreReport, seconds: float) -> None:
         log.info("gemini.recovery %s", json.dumps({"rank": self._control.rank, **asdict(report)}))
         if self._control.rank != 0:
             return

@@ -28,8 +28,8 @@ from pathlib import Path
 from lm_resiliency._safefs import open_root, open_subdir
 from lm_resiliency._tempnames import TempName, TempScope, pid_alive
 from lm_resiliency.errors import UnsafePathError
-from lm_resiliency.memory.catalog import MemoryRun, MemoryScan
 from lm_resiliency.memory.folder import LOCK_FILE
+from lm_resiliency.memory.scan import MemoryRun, MemoryScan
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence.lockprobe import UnknownLock, lock_is_held
 

@@ -28,7 +28,7 @@ from typing import Any
 from lm_resiliency.cli._clean_plan import Plan, Step, WrongKind, disk_plan, memory_plan
 from lm_resiliency.config import default_memory_folder
 from lm_resiliency.errors import UnsafePathError
-from lm_resiliency.memory.catalog import MemoryRun, MemoryScan, scan_memory
+from lm_resiliency.memory.scan import MemoryRun, MemoryScan, scan_memory
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence.lockprobe import UnknownLock, take_lock
 

@@ -43,7 +43,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from lm_resiliency.demo.events import read_events
+from lm_resiliency.demo.events import read_run_events
 from lm_resiliency.demo.launch import DemoSpec, compare_final, start_job
 from lm_resiliency.demo.timeline import summarize
 from lm_resiliency.errors import ConfigError
@@ -232,7 +232,7 @@ def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
     job = start_job(spec, run_dir, disk, nproc=n, run_id=f"demo-{tag}", max_restarts=1)
     progress = _Progress(spec.steps, n)
     done = _follow(job, run_dir, progress, args.timeout_s)
-    summary = summarize(read_events(run_dir))
+    summary = summarize(read_run_events(run_dir))
     if done.returncode != 0:
         print(f"the job failed; full logs in {run_dir}:\n{done.brief()}")
         return False
@@ -255,7 +255,7 @@ def _demo(args: argparse.Namespace, spec: Any, work: Path, disk: Path) -> bool:
         return False
     print(f"  done in {time.monotonic() - t_ref:.1f} s")
     comparison = compare_final(run_dir, ref_dir)
-    ref_digests = summarize(read_events(ref_dir)).finished
+    ref_digests = summarize(read_run_events(ref_dir)).finished
     same_digests = summary.finished == ref_digests and len(ref_digests) == n
     identical = comparison.identical and same_digests
     print(
@@ -320,10 +320,10 @@ class _Progress:
 def _follow(job: Any, run_dir: Path, progress: _Progress, timeout_s: float) -> Any:
     deadline = time.monotonic() + timeout_s
     while job.poll() is None and time.monotonic() < deadline:
-        progress.update(read_events(run_dir))
+        progress.update(read_run_events(run_dir))
         time.sleep(_POLL_S)
     done = job.wait(max(1.0, deadline - time.monotonic()))
-    progress.update(read_events(run_dir))
+    progress.update(read_run_events(run_dir))
     return done
 
 

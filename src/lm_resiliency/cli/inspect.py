@@ -11,9 +11,9 @@ from typing import Any
 
 from lm_resiliency.config import default_memory_folder
 from lm_resiliency.errors import UnsafePathError
-from lm_resiliency.memory.catalog import MemoryScan, SlotInfo, scan_memory
-from lm_resiliency.memory.catalog import to_json as memory_json
-from lm_resiliency.persistence.catalog import RunInfo, ShardInfo, problems, scan, to_json
+from lm_resiliency.memory.scan import MemoryScan, SlotInfo, scan_memory
+from lm_resiliency.memory.scan import to_json as memory_json
+from lm_resiliency.persistence.scan import RunInfo, ShardInfo, problems, scan_checkpoints, to_json
 from lm_resiliency.persistence.trust_view import TopologyTrust, trust_report
 
 
@@ -57,7 +57,7 @@ EXIT_UNVERIFIED = 3
 def run(args: argparse.Namespace) -> int:
     """Print the catalog and return the exit status (see the parser's epilog)."""
     try:
-        runs = scan(args.dir, verify=args.verify)
+        runs = scan_checkpoints(args.dir, verify=args.verify)
     except (OSError, UnsafePathError) as exc:
         print(f"lm-resiliency inspect: error: cannot read {args.dir}: {exc}", file=sys.stderr)
         return 2

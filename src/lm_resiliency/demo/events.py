@@ -8,8 +8,8 @@ never sees two records interleaved; a line cut short by a kill is skipped. Wall
 clock (``time.time``) is used because the records of different processes, on
 the same machine, are compared with each other.
 
-The writer is safe to call from a signal handler: it holds no lock and opens
-nothing after construction.
+The writer is :class:`lm_resiliency.telemetry.EventLog` (its ``emit`` records), safe
+to call from a signal handler: it holds no lock and opens nothing after construction.
 """
 
 from __future__ import annotations
@@ -20,39 +20,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EVENTS_DIR", "EventLog", "process_start_time", "read_events"]
+from lm_resiliency.telemetry.events import EventLog
+
+__all__ = ["EVENTS_DIR", "process_start_time", "read_run_events", "run_event_log"]
 
 EVENTS_DIR = "events"
 
 
-class EventLog:
-    """This process's record file in ``run_dir`` (created on construction)."""
-
-    def __init__(self, run_dir: str | os.PathLike[str], *, rank: int, attempt: int | None) -> None:
-        self.rank = rank
-        self.attempt = attempt
-        folder = Path(run_dir) / EVENTS_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"rank-{rank}-attempt-{attempt}-pid-{os.getpid()}.jsonl"
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-
-    def emit(self, event: str, *, t: float | None = None, **fields: Any) -> None:
-        """Append one record; ``t`` defaults to now. ``fields`` must be JSON-ready."""
-        record = {
-            "event": event,
-            "t": time.time() if t is None else t,
-            "rank": self.rank,
-            "attempt": self.attempt,
-            "pid": os.getpid(),
-            **fields,
-        }
-        os.write(self._fd, (json.dumps(record, sort_keys=True) + "\n").encode())
-
-    def close(self) -> None:
-        os.close(self._fd)
+def run_event_log(run_dir: str | os.PathLike[str], *, rank: int, attempt: int | None) -> EventLog:
+    """This process's record file in ``run_dir`` (created now); write with ``emit``."""
+    path = Path(run_dir) / EVENTS_DIR / f"rank-{rank}-attempt-{attempt}-pid-{os.getpid()}.jsonl"
+    return EventLog(path, rank=rank, attempt=attempt)
 
 
-def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def read_run_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every complete record in ``run_dir``, ordered by time (empty if none yet).
 
     Safe while workers are still writing: a trailing partial line is ignored.

@@ -2,7 +2,7 @@
 
 Call order: :func:`start_job` (one torchrun agent, non-blocking; one per
 simulated node in multi-node tests) -> ``job.wait(timeout_s)`` -> read the run
-folder with :func:`lm_resiliency.demo.events.read_events` and
+folder with :func:`lm_resiliency.demo.events.read_run_events` and
 :func:`compare_final`.
 """
 

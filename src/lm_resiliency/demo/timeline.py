@@ -68,7 +68,7 @@ def _first(records: list[dict[str, Any]], event: str) -> dict[str, Any] | None:
 
 
 def summarize(records: list[dict[str, Any]]) -> RunSummary:
-    """Summarize the records of one run (:func:`lm_resiliency.demo.events.read_events`)."""
+    """Summarize the records of one run (:func:`lm_resiliency.demo.events.read_run_events`)."""
     by = {
         name: [r for r in records if r["event"] == name] for name in {r["event"] for r in records}
     }

@@ -57,10 +57,11 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from lm_resiliency.config import InMemoryCkptConfig
-from lm_resiliency.demo.events import EventLog, process_start_time
+from lm_resiliency.demo.events import process_start_time, run_event_log
 from lm_resiliency.demo.training import FRAMEWORKS, Trainer, digest
 from lm_resiliency.distributed import init_process_group, restart_count
-from lm_resiliency.resiliency import enable_resiliency
+from lm_resiliency.frontdoor import enable_resiliency
+from lm_resiliency.telemetry import EventLog
 
 FAULT_MARKER = "fault-injected"
 HOLD_MARKER = "hold-released"
@@ -89,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    events = EventLog(args.run_dir, rank=rank, attempt=restart_count())
+    events = run_event_log(args.run_dir, rank=rank, attempt=restart_count())
     events.emit("started", t=process_start_time())
     _record_exit_errors(events)
     init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout_s))

@@ -9,8 +9,6 @@ kind. See ``docs/scout.md``.
 
 from __future__ import annotations
 
-from lm_resiliency.detection.catalog import DynamicCatalog
-from lm_resiliency.detection.config import RecipeClass, ScoutConfig
 from lm_resiliency.detection.decision import (
     FAILURE_KIND_ENV,
     FailureKind,
@@ -19,8 +17,10 @@ from lm_resiliency.detection.decision import (
     decide_recovery,
 )
 from lm_resiliency.detection.groups import ComparisonGroups
+from lm_resiliency.detection.recipes import DynamicCatalog
 from lm_resiliency.detection.result import CHECK_EVENT, ScoutResult, ScoutStatus, Straggler
 from lm_resiliency.detection.scout import Scout
+from lm_resiliency.detection.scout_config import RecipeClass, ScoutConfig
 
 __all__ = [
     "CHECK_EVENT",

@@ -1,5 +1,8 @@
 """Which step to recover, by failure kind: :func:`decide_recovery` and the decision table.
 
+Vocabulary: SCOUT makes the *recovery decision* (:class:`RecoveryDecision`); the manager
+then *restores* the step it names (:mod:`lm_resiliency.checkpointing.restore`).
+
 =====================================  ==========================================
 failure kind                           recovery
 =====================================  ==========================================

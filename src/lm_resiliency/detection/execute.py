@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from lm_resiliency.detection.blocks import Block
-from lm_resiliency.detection.catalog import DynamicCatalog
+from lm_resiliency.detection.recipes import DynamicCatalog
 from lm_resiliency.detection.replay import ReplayOutcome, parameter_digest, replay
 from lm_resiliency.detection.signature import CallSignature, Recorder, decode
 from lm_resiliency.detection.wire import ClassReport, RunState

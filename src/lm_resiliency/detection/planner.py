@@ -19,7 +19,7 @@ import hashlib
 from typing import Any
 
 from lm_resiliency.detection.blocks import Block
-from lm_resiliency.detection.catalog import DynamicCatalog
+from lm_resiliency.detection.recipes import DynamicCatalog
 from lm_resiliency.detection.signature import CallSignature, Recorder, encode
 
 

@@ -35,16 +35,16 @@ from torch import nn
 
 from lm_resiliency.detection.assess import Assessment, assess, check_consistent
 from lm_resiliency.detection.blocks import partition, structure_fingerprint, uncovered_params
-from lm_resiliency.detection.catalog import Cycles, DynamicCatalog
 from lm_resiliency.detection.certify import Certifier, TrustSink
 from lm_resiliency.detection.compose import blocked, compose, severity
-from lm_resiliency.detection.config import ScoutConfig
 from lm_resiliency.detection.coverage import Coverage
 from lm_resiliency.detection.execute import Executed, Executor
 from lm_resiliency.detection.fingerprint import config_fingerprint
 from lm_resiliency.detection.groups import ComparisonGroups
 from lm_resiliency.detection.planner import Planner
+from lm_resiliency.detection.recipes import Cycles, DynamicCatalog
 from lm_resiliency.detection.result import CHECK_EVENT, ScoutResult, ScoutStatus
+from lm_resiliency.detection.scout_config import ScoutConfig
 from lm_resiliency.detection.signature import Recorder
 from lm_resiliency.detection.verdict import Outcome, StragglerRule
 from lm_resiliency.detection.wire import Channel, PendingSpec, RankReport

@@ -22,13 +22,13 @@ Call order (every rank; the handle does all of it)::
 
 A framework that owns the training loop (a ``Trainer``, an engine whose
 ``step()`` is not a torch optimizer's) builds its adapter itself when its
-objects exist and calls ``lm_resiliency.resiliency.enable.enable_adapter(adapter,
+objects exist and calls ``lm_resiliency.frontdoor.enable.enable_adapter(adapter,
 config=..., load_fallback=..., state=..., restore_rng=...)``; its ``bind``
 stores the boundary and its own callbacks call ``before_step()`` (before the
 parameters change) and ``after_step()`` (once per completed step, at the point
 where everything the next step depends on is settled). ``restore_rng`` defers
 the generators' restore when the framework draws from them between the
-restore and its first step (see ``resiliency/hf.py``).
+restore and its first step (see ``frontdoor/hf.py``).
 
 What the handle adds itself (adapters must not capture it again): every RNG
 the step draws from (torch CPU and every CUDA generator, Python ``random``,

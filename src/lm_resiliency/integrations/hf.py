@@ -4,7 +4,7 @@
 scheduler, the Trainer's state and running counters, the data position, DDP's
 bucket order) and how it is put back; the callback that builds it at train
 begin and drives it is the Trainer's front door,
-:class:`lm_resiliency.resiliency.hf.ResiliencyCallback` (where it hangs and its
+:class:`lm_resiliency.hf.ResiliencyCallback` (where it hangs and its
 limits are documented there). ``enable_resiliency(trainer)`` is refused with
 the pointer to it.
 """
@@ -173,6 +173,6 @@ def make_adapter(obj: Any, optimizers: Sequence[torch.optim.Optimizer], **option
     """``enable_resiliency(trainer)`` is not the Trainer integration: say what is."""
     raise ConfigError(
         "a transformers.Trainer creates its optimizer inside train(); add the callback instead: "
-        "trainer.add_callback(lm_resiliency.resiliency.hf.ResiliencyCallback(trainer, "
+        "trainer.add_callback(lm_resiliency.hf.ResiliencyCallback(trainer, "
         "interval=10))"
     )

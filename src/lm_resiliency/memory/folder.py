@@ -55,8 +55,6 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "lock"
 LINEAGE_FILE = "lineage.json"
 _SUFFIX = ".slot"
-#: How long a new process waits for the previous owner of a rank's folder to exit.
-LOCK_WAIT_S = MEMORY_LOCK_WAIT_S
 
 
 def slot_file_name(slot_name: str) -> str:
@@ -117,7 +115,7 @@ class MemoryFolder:
     """The slot files of one rank of one run and topology on this node.
 
     Construct once per manager (takes the folder's lock, waiting up to
-    :data:`LOCK_WAIT_S` for an exiting predecessor). Not collective.
+    ``knobs.MEMORY_LOCK_WAIT_S`` for an exiting predecessor). Not collective.
     Raises ``UnsafePathError`` for a directory of another user, a link or a
     group/other-writable directory, and ``ResiliencyError`` when another live
     process holds the rank's folder.
@@ -171,7 +169,7 @@ class MemoryFolder:
             if exc.reason == NOT_A_FILE:
                 raise self._bad_lock(where, _kind_name(kind)) from None
             raise UnsafePathError(str(exc), reason=exc.reason, path=where) from None
-        deadline = time.monotonic() + LOCK_WAIT_S
+        deadline = time.monotonic() + MEMORY_LOCK_WAIT_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

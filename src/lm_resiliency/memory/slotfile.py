@@ -46,18 +46,13 @@ from lm_resiliency._tempnames import temp_name
 from lm_resiliency.capture import Layout, populate
 from lm_resiliency.checksums import arena_crcs, crc_count
 from lm_resiliency.errors import CaptureError, ResiliencyError, StateSchemaError
-from lm_resiliency.knobs import CRC_CHUNK_BYTES as _CRC_CHUNK_BYTES
-from lm_resiliency.knobs import SLOT_RECORD_RESERVE_BYTES
+from lm_resiliency.knobs import CRC_CHUNK_BYTES, SLOT_RECORD_RESERVE_BYTES
 from lm_resiliency.state import validate_document
 
 MAGIC = b"LMRSLOT\x01"
 FORMAT_VERSION = 1
 RECORD_KIND = "lm_resiliency.slot"
 PAGE = mmap.PAGESIZE
-#: Room kept for the commit record at allocation; a larger record extends the file.
-RECORD_RESERVE_BYTES = SLOT_RECORD_RESERVE_BYTES
-#: CRC-32C granularity of slot checksums (the same as shards and transfers).
-CRC_CHUNK_BYTES = _CRC_CHUNK_BYTES
 _MAX_RECORD_BYTES = 256 * 1024 * 1024
 _PREFIX = struct.Struct("<8sIIQqQQQI")
 _STATE_OFFSET = 12
@@ -158,7 +153,7 @@ class SlotRecord:
     layout: Layout
     state: dict[str, Any]
     crcs: tuple[int, ...] | None
-    """One CRC-32C per :data:`CRC_CHUNK_BYTES` of the arena, or ``None`` (written without)."""
+    """One CRC-32C per ``knobs.CRC_CHUNK_BYTES`` of the arena, or ``None`` (written without)."""
 
 
 def round_up(nbytes: int) -> int:
@@ -167,7 +162,7 @@ def round_up(nbytes: int) -> int:
 
 def file_bytes_for(data_bytes: int) -> int:
     """Bytes a slot of ``data_bytes`` reserves on the memory filesystem."""
-    return PAGE + round_up(data_bytes) + RECORD_RESERVE_BYTES
+    return PAGE + round_up(data_bytes) + SLOT_RECORD_RESERVE_BYTES
 
 
 class SlotFile:
@@ -308,7 +303,7 @@ class SlotFile:
         blob = json.dumps(record, separators=(",", ":"), allow_nan=False).encode()
         fd = self._open_fd()
         offset = PAGE + round_up(self.data_bytes)
-        if len(blob) > RECORD_RESERVE_BYTES:
+        if len(blob) > SLOT_RECORD_RESERVE_BYTES:
             try:
                 os.posix_fallocate(fd, offset, len(blob))
             except OSError as exc:

@@ -39,8 +39,6 @@ from lm_resiliency.knobs import MEMORY_LOCK_WAIT_S
 from lm_resiliency.persistence import namespace as ns
 
 LOCK_RE = re.compile(r"live-rank-(0|[1-9][0-9]{0,9})\.lock")
-#: How long a new process waits for an exiting predecessor of its rank (as the memory folder).
-LOCK_WAIT_S = MEMORY_LOCK_WAIT_S
 
 
 def lock_file(rank: int) -> str:
@@ -65,7 +63,9 @@ class DiskLock:
         self.where = where
 
     @classmethod
-    def take(cls, root: Path, *, run_id: str, rank: int, wait_s: float = LOCK_WAIT_S) -> DiskLock:
+    def take(
+        cls, root: Path, *, run_id: str, rank: int, wait_s: float = MEMORY_LOCK_WAIT_S
+    ) -> DiskLock:
         """Lock ``root``'s namespace of ``run_id`` for ``rank`` (the run folder must exist).
 
         Raises ``ResiliencyError`` naming the holder when another live process keeps

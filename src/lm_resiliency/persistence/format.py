@@ -47,9 +47,6 @@ from lm_resiliency.persistence.trust import TrustStatus
 METADATA_KEY = "lm_resiliency"
 #: The largest header safetensors itself accepts; ours is bounded the same.
 MAX_HEADER_BYTES = 100_000_000
-#: CRC chunk. Small enough that the CRC of the last chunk, which cannot overlap
-#: any I/O, costs ~2 ms; large enough that 1 GiB needs only 64 header entries.
-DEFAULT_CHUNK_BYTES = CRC_CHUNK_BYTES
 #: Kill point (see ``lm_resiliency.testing.kill_point``) after the first data chunk.
 KILL_MID_WRITE = "persistence.write.after_first_chunk"
 
@@ -171,7 +168,7 @@ def write_shard(
     state_document: dict[str, Any],
     trust: TrustStatus,
     integrity: bool,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = CRC_CHUNK_BYTES,
     timeline: str | None = None,
 ) -> int:
     """Write a complete shard to ``fd`` from offset 0; return its size in bytes.
@@ -315,7 +312,7 @@ def read_data(
     arena = torch.empty(total, dtype=torch.uint8) if into is None else into
     view = _arena_view(arena, header.doc.layout)
     integ = header.doc.integrity
-    chunk = integ.chunk_bytes if integ is not None else DEFAULT_CHUNK_BYTES
+    chunk = integ.chunk_bytes if integ is not None else CRC_CHUNK_BYTES
     futures: list[Future[int]] = []
     with contextlib.suppress(OSError):  # a hint: the kernel reads further ahead
         os.posix_fadvise(fd, header.data_offset, total, os.POSIX_FADV_SEQUENTIAL)

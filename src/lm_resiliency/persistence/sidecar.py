@@ -55,8 +55,6 @@ MAX_REASON_CHARS = 2000
 DEFAULT_HISTORY_LIMIT = 16
 #: Longest history a reader accepts (a larger one is treated as damaged).
 MAX_HISTORY = 4096
-#: How long readers retry visibility failures by default.
-DEFAULT_RETRY_S = SIDECAR_RETRY_S
 _MAX_SIDECAR_BYTES = 1 << 20
 _KEYS = {
     "kind",
@@ -280,7 +278,7 @@ def read_status(
     topology: str,
     rank: int,
     where: str,
-    retry_s: float = DEFAULT_RETRY_S,
+    retry_s: float = SIDECAR_RETRY_S,
 ) -> SidecarStatus | None:
     """Read ``rank``'s sidecar; ``None`` if it does not exist (nothing recorded yet).
 

@@ -40,10 +40,10 @@ from lm_resiliency._safefs import (
 )
 from lm_resiliency.capture import Layout
 from lm_resiliency.errors import ConfigError, ShardUnavailable, UnsafePathError
+from lm_resiliency.knobs import CRC_CHUNK_BYTES, SIDECAR_RETRY_S
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence.document import ShardIdentity, check_identity
 from lm_resiliency.persistence.format import (
-    DEFAULT_CHUNK_BYTES,
     ShardHeader,
     read_header,
     write_shard,
@@ -58,7 +58,7 @@ from lm_resiliency.persistence.retention import (
     oldest_candidate,
     plan_retention,
 )
-from lm_resiliency.persistence.sidecar import DEFAULT_HISTORY_LIMIT, DEFAULT_RETRY_S
+from lm_resiliency.persistence.sidecar import DEFAULT_HISTORY_LIMIT
 from lm_resiliency.persistence.sidecar_store import SidecarStore, has_marker
 from lm_resiliency.persistence.trust import TrustStatus
 
@@ -155,9 +155,9 @@ class ShardStore:
         rank: int,
         verify_integrity: bool,
         keep_generations: int = 2,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int = CRC_CHUNK_BYTES,
         history_limit: int = DEFAULT_HISTORY_LIMIT,
-        sidecar_retry_s: float = DEFAULT_RETRY_S,
+        sidecar_retry_s: float = SIDECAR_RETRY_S,
         recycle_files: bool = True,
     ) -> None:
         for name, value in (("run_id", run_id), ("topology", topology)):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lm_resiliency._safefs import opened_dir
 from lm_resiliency.errors import SidecarUnavailable, UnsafePathError
-from lm_resiliency.persistence.catalog import scan
+from lm_resiliency.persistence.scan import scan_checkpoints
 from lm_resiliency.persistence.sidecar import SidecarStatus, read_status
 from lm_resiliency.persistence.trust import RecoveryVerdict, TrustStatus
 
@@ -93,7 +93,7 @@ def trust_report(folder: str | Path) -> list[TopologyTrust]:
     """Trust of every generation under ``folder``, per run and topology (sorted)."""
     root = Path(folder).resolve(strict=True)
     out: list[TopologyTrust] = []
-    for run in scan(root):
+    for run in scan_checkpoints(root):
         for topo in run.topologies:
             statuses: dict[int, SidecarStatus] = {}
             unreadable: dict[int, str] = {}

@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lm_resiliency.control import ControlPlane
+from lm_resiliency.knobs import OWN_STORAGE_BYTES
 from lm_resiliency.persistence.reader import ShardReader
 from lm_resiliency.recovery.availability import Options, Source
-from lm_resiliency.recovery.sources import OWN_STORAGE_BYTES, Material, Served, StepSource
+from lm_resiliency.recovery.sources import Material, Served, StepSource
 from lm_resiliency.replication import PairingPlan, ReplicationChannel, make_header
 from lm_resiliency.replication.transfer import TransferKey, recv_checkpoint, send_checkpoint
 from lm_resiliency.state import decode_state

@@ -5,7 +5,7 @@ opens one fully validated (:meth:`~StepSource.open`: nothing is returned that
 failed a check) and says whether using it consumes it (own memory is handed
 over to the caller without a copy, so it is taken only after the whole
 recovery succeeded, the state applied included: see
-``InMemoryCheckpointManager.commit_recovery``). The manager builds one per place:
+``InMemoryCheckpointManager.commit_restore``). The manager builds one per place:
 
 ===============  ==================================================  =========
 source           what                                                consumes
@@ -34,14 +34,9 @@ import torch
 
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.capture.slot import Slot
-from lm_resiliency.knobs import OWN_STORAGE_BYTES as _OWN_STORAGE_BYTES
 from lm_resiliency.persistence.reader import ShardReader
 from lm_resiliency.persistence.store import ShardStore
 from lm_resiliency.recovery.availability import Source
-
-#: Small tensors get storage of their own: some torch APIs (set_rng_state) ignore a
-#: view's storage offset. Large ones stay views of the arena (no second copy).
-OWN_STORAGE_BYTES = _OWN_STORAGE_BYTES
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from lm_resiliency.replication._protocol import Received
 from lm_resiliency.replication.chunking import (
-    DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     estimate_chunk_size,
@@ -20,15 +19,12 @@ from lm_resiliency.replication.header import HEADER_VERSION, check_header, make_
 from lm_resiliency.replication.pairing import AUTO_JUMP, JumpDecision, PairingPlan, resolve_jump
 from lm_resiliency.replication.transport import (
     DEFAULT_MAX_HEADER_BYTES,
-    DEFAULT_TIMEOUT_S,
     ReplicationChannel,
 )
 
 __all__ = [
     "AUTO_JUMP",
-    "DEFAULT_CHUNK_BYTES",
     "DEFAULT_MAX_HEADER_BYTES",
-    "DEFAULT_TIMEOUT_S",
     "HEADER_VERSION",
     "MAX_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",

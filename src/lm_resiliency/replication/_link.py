@@ -40,8 +40,11 @@ ChunkSink = Callable[[torch.Tensor], None]
 
 
 @dataclass(frozen=True)
-class Limits:
-    """Transport tunables shared by every transfer of a channel."""
+class TransferLimits:
+    """What bounds every transfer of a channel: chunk size, chunks in flight, header size.
+
+    (Plus the channel's progress hook.)
+    """
 
     chunk_bytes: int
     max_in_flight: int
@@ -115,7 +118,7 @@ def stream(
     arena: torch.Tensor | None,
     total_bytes: int,
     chunk_bytes: int,
-    limits: Limits,
+    limits: TransferLimits,
     *,
     source: ChunkSource | None = None,
     sink: ChunkSink | None = None,

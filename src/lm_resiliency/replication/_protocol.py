@@ -23,8 +23,8 @@ from lm_resiliency.replication._link import (
     Allocator,
     ChunkSink,
     ChunkSource,
-    Limits,
     Link,
+    TransferLimits,
     Validator,
     stream,
 )
@@ -117,7 +117,9 @@ class Outgoing:
     trailer: Callable[[], bytes] | None = None
 
 
-def offer(edge: Edge, step: int, blob: bytes | None, out: Outgoing | None, limits: Limits) -> None:
+def offer(
+    edge: Edge, step: int, blob: bytes | None, out: Outgoing | None, limits: TransferLimits
+) -> None:
     """Send one arena (or a SKIP notice when ``blob`` is None) to the edge's peer.
 
     Returns once the peer acknowledged ``step`` and every byte; raises
@@ -127,7 +129,9 @@ def offer(edge: Edge, step: int, blob: bytes | None, out: Outgoing | None, limit
         _offer(edge, step, blob, out, limits)
 
 
-def _offer(edge: Edge, step: int, blob: bytes | None, out: Outgoing | None, limits: Limits) -> None:
+def _offer(
+    edge: Edge, step: int, blob: bytes | None, out: Outgoing | None, limits: TransferLimits
+) -> None:
     link = Link(edge, step, "send")
     fresh = edge.ensure(step)
     if blob is None or out is None:
@@ -220,7 +224,7 @@ def accept(
     run_id: str,
     recv_alloc: Allocator,
     validate: Validator | None,
-    limits: Limits,
+    limits: TransferLimits,
     sink: ChunkSink | None = None,
 ) -> Received:
     """Receive one arena of ``owner_rank`` for ``step`` from the edge's peer.
@@ -252,7 +256,7 @@ def _accept(
     run_id: str,
     recv_alloc: Allocator,
     validate: Validator | None,
-    limits: Limits,
+    limits: TransferLimits,
     sink: ChunkSink | None,
 ) -> Received:
     link = Link(edge, step, "recv")
@@ -301,7 +305,7 @@ def _accept(
     return Received(owner_rank, step, header, layout, arena, trailer)
 
 
-def _trailer_bytes(header: dict[str, Any], limits: Limits) -> int:
+def _trailer_bytes(header: dict[str, Any], limits: TransferLimits) -> int:
     value = header.get("trailer_bytes", 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ReplicationError(f"header field trailer_bytes={value!r} is not a byte count")

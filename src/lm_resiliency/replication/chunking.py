@@ -5,16 +5,12 @@ from __future__ import annotations
 import math
 
 from lm_resiliency.errors import ConfigError
-from lm_resiliency.knobs import REPLICATION_CHUNK_BYTES
 
 MIN_CHUNK_BYTES = 64 * 1024
 """Smallest chunk: below this, per-message overhead dominates a transfer."""
 
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
 """Largest chunk: one message must never monopolise the NIC for long."""
-
-DEFAULT_CHUNK_BYTES = REPLICATION_CHUNK_BYTES
-"""The default ``replication_chunk_size`` (docs/replication.md, "Chunk size")."""
 
 
 def _number(name: str, value: object) -> float:

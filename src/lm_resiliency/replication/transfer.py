@@ -32,13 +32,9 @@ import torch
 from lm_resiliency.capture.arena import allocate_arena
 from lm_resiliency.checksums import ChunkCrc, crc_count, mismatched, pack_crcs, unpack_crcs
 from lm_resiliency.errors import IntegrityError, ReplicationError
-from lm_resiliency.knobs import CRC_CHUNK_BYTES as _CRC_CHUNK_BYTES
-from lm_resiliency.knobs import READ_AHEAD_CHUNKS as _READ_AHEAD_CHUNKS
+from lm_resiliency.knobs import CRC_CHUNK_BYTES, READ_AHEAD_CHUNKS
 from lm_resiliency.replication._protocol import Received
 from lm_resiliency.replication.transport import ReplicationChannel
-
-CRC_CHUNK_BYTES = _CRC_CHUNK_BYTES
-"""Checksum granularity of in-memory sources: a corrupt chunk is named by its index."""
 
 
 class ArenaReader(Protocol):
@@ -87,13 +83,13 @@ def send_checkpoint(
 ) -> None:
     """Send a checkpoint (described by ``header``) to ``key.dst`` under ``key``.
 
-    ``slot_crcs`` (with ``arena``): the arena's checksums per :data:`CRC_CHUNK_BYTES`
+    ``slot_crcs`` (with ``arena``): the arena's checksums per ``knobs.CRC_CHUNK_BYTES``
     as recorded when it was filled (a memory slot's); they are sent instead of
     checksums of the bytes as they are now, so damage since then is caught by
     the receiver.
 
     The bytes come from ``arena`` or from ``reader`` (read on a helper thread
-    :data:`READ_AHEAD_CHUNKS` chunks ahead of the transport, into a ring of
+    ``knobs.READ_AHEAD_CHUNKS`` chunks ahead of the transport, into a ring of
     ``channel.max_in_flight + READ_AHEAD_CHUNKS`` chunk buffers).
     ``header`` comes from :func:`~lm_resiliency.replication.make_header` for
     the owner and step the key names. Raises ``ReplicationError`` when the peer
@@ -145,10 +141,6 @@ def send_checkpoint(
     finally:
         if read_piece is not None:
             read_piece.close()
-
-
-READ_AHEAD_CHUNKS = _READ_AHEAD_CHUNKS
-"""How many chunks a streamed source is read ahead of the transport."""
 
 
 class _ReadAhead:

@@ -35,26 +35,26 @@ import torch.distributed as dist
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from lm_resiliency.errors import ConfigError, ReplicationError
-from lm_resiliency.knobs import MAX_IN_FLIGHT_CHUNKS, REPLICATION_TIMEOUT_S
+from lm_resiliency.knobs import (
+    MAX_IN_FLIGHT_CHUNKS,
+    REPLICATION_CHUNK_BYTES,
+    REPLICATION_TIMEOUT_S,
+)
 from lm_resiliency.replication._edge import Edge
 from lm_resiliency.replication._link import (
     Allocator,
     ChunkSink,
     ChunkSource,
-    Limits,
     Progress,
+    TransferLimits,
     Validator,
 )
 from lm_resiliency.replication._protocol import Outgoing, Received, accept, offer
-from lm_resiliency.replication.chunking import DEFAULT_CHUNK_BYTES
 from lm_resiliency.replication.header import encode_header
 from lm_resiliency.replication.pairing import PairingPlan
 
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024 * 1024
 """Largest JSON header a receiver accepts (layout tables of very large models fit)."""
-
-DEFAULT_TIMEOUT_S = REPLICATION_TIMEOUT_S
-"""Default bound on any single wait of a transfer."""
 
 _instances = itertools.count()
 
@@ -87,8 +87,8 @@ class ReplicationChannel:
         *,
         run_id: str,
         rank: int | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        chunk_bytes: int = REPLICATION_CHUNK_BYTES,
+        timeout_s: float = REPLICATION_TIMEOUT_S,
         max_in_flight: int = MAX_IN_FLIGHT_CHUNKS,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         store: Store | None = None,
@@ -122,7 +122,7 @@ class ReplicationChannel:
         self.run_id = run_id
         self.send_to = plan.send_to(rank)
         self.recv_from = plan.recv_from(rank)
-        self._limits = Limits(chunk_bytes, max_in_flight, max_header_bytes, progress)
+        self._limits = TransferLimits(chunk_bytes, max_in_flight, max_header_bytes, progress)
         self._closed = False
         prefix = f"{namespace}/{next(_instances)}"
         self._out = Edge(

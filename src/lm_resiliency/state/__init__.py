@@ -17,7 +17,7 @@ from lm_resiliency.state.codec import (
     decode_state,
     encode_state,
 )
-from lm_resiliency.state.limits import DEFAULT_LIMITS, Limits
+from lm_resiliency.state.limits import DEFAULT_LIMITS, DocumentLimits
 from lm_resiliency.state.schema import (
     SCHEMA_VERSION,
     dumps_document,
@@ -30,7 +30,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Deferred",
     "EncodedState",
-    "Limits",
+    "DocumentLimits",
     "PartialEncoding",
     "begin_encoding",
     "decode_state",

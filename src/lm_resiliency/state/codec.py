@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from lm_resiliency.errors import StateEncodingError
-from lm_resiliency.state.limits import DEFAULT_LIMITS, Limits
+from lm_resiliency.state.limits import DEFAULT_LIMITS, DocumentLimits
 from lm_resiliency.state.schema import (
     DEVICE_PATTERN,
     NP_DTYPE_PATTERN,
@@ -101,7 +101,7 @@ class PartialEncoding:
         return _document(enc, self._root)
 
 
-def encode_state(tree: Any, *, limits: Limits = DEFAULT_LIMITS) -> EncodedState:
+def encode_state(tree: Any, *, limits: DocumentLimits = DEFAULT_LIMITS) -> EncodedState:
     """Flatten ``tree`` (nested dict/list/tuple of tensors and plain values).
 
     Call at capture time on the thread that owns the state; cost grows with
@@ -113,7 +113,7 @@ def encode_state(tree: Any, *, limits: Limits = DEFAULT_LIMITS) -> EncodedState:
     return _document(enc, enc.value(tree, "", 0))
 
 
-def begin_encoding(tree: Any, *, limits: Limits = DEFAULT_LIMITS) -> PartialEncoding:
+def begin_encoding(tree: Any, *, limits: DocumentLimits = DEFAULT_LIMITS) -> PartialEncoding:
     """Encode ``tree`` now except its :class:`Deferred` subtrees (walked by ``finish()``).
 
     The tensors of the part walked now come first in the tensor list; an alias
@@ -132,7 +132,7 @@ def _document(enc: _Encoder, root: Any) -> EncodedState:
         nbytes = len(dumps_document(doc).encode("utf-8"))
         if nbytes > limits.max_bytes:
             raise StateEncodingError(
-                f"state document would be {nbytes} bytes of JSON, over Limits.max_bytes="
+                f"state document would be {nbytes} bytes of JSON, over DocumentLimits.max_bytes="
                 f"{limits.max_bytes}; move large non-tensor values into tensors"
             )
     return EncodedState(document=doc, tensors=enc.tensors, names=enc.names)
@@ -142,7 +142,7 @@ def decode_state(
     document: Mapping[str, Any],
     tensors: Sequence[torch.Tensor],
     *,
-    limits: Limits = DEFAULT_LIMITS,
+    limits: DocumentLimits = DEFAULT_LIMITS,
 ) -> Any:
     """Rebuild the tree encoded in ``document`` using ``tensors``.
 
@@ -169,7 +169,7 @@ class _Encoder:
     (``""`` for the root): building it only for containers and tensors keeps
     plain leaves free of string work."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: DocumentLimits) -> None:
         self.limits = limits
         self.items = 1
         self.extra_bytes = 0
@@ -195,14 +195,14 @@ class _Encoder:
         if depth + 1 > self.limits.max_depth:
             self.fail(
                 pre,
-                f"containers nest deeper than Limits.max_depth={self.limits.max_depth} "
+                f"containers nest deeper than DocumentLimits.max_depth={self.limits.max_depth} "
                 "(is there a reference cycle?)",
             )
         self.items += count
         if self.items > self.limits.max_items:
             self.fail(
                 pre,
-                f"more than Limits.max_items={self.limits.max_items} values; "
+                f"more than DocumentLimits.max_items={self.limits.max_items} values; "
                 "move bulk data into tensors",
             )
 
@@ -217,7 +217,7 @@ class _Encoder:
         if nbytes > self.limits.max_string_bytes:
             self.fail(
                 pre,
-                f"{what} of {nbytes} bytes exceeds Limits.max_string_bytes="
+                f"{what} of {nbytes} bytes exceeds DocumentLimits.max_string_bytes="
                 f"{self.limits.max_string_bytes}; store bulk data as a tensor",
             )
         self.extra_bytes += 6 * len(s) + 2
@@ -226,7 +226,9 @@ class _Encoder:
         bits = x.bit_length()
         if bits > self.limits.max_int_bits:
             self.fail(
-                pre, f"int of {bits} bits exceeds Limits.max_int_bits={self.limits.max_int_bits}"
+                pre,
+                f"int of {bits} bits exceeds DocumentLimits.max_int_bits="
+                f"{self.limits.max_int_bits}",
             )
         self.extra_bytes += bits // 3 + 2
 
@@ -234,7 +236,7 @@ class _Encoder:
         if len(text) > self.limits.max_string_bytes:
             self.fail(
                 pre,
-                f"{what} needs {len(text)} bytes of text, over Limits.max_string_bytes="
+                f"{what} needs {len(text)} bytes of text, over DocumentLimits.max_string_bytes="
                 f"{self.limits.max_string_bytes}; pass it as a torch tensor instead",
             )
         self.extra_bytes += len(text)

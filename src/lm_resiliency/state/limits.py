@@ -22,7 +22,7 @@ MAX_SUPPORTED_INT_BITS = 8192
 
 
 @dataclass(frozen=True)
-class Limits:
+class DocumentLimits:
     """Bounds on a state document. Every field is a positive ``int``.
 
     Raises ``ConfigError`` from ``__post_init__`` when a field is not a positive
@@ -48,17 +48,17 @@ class Limits:
         for name in ("max_depth", "max_items", "max_bytes", "max_string_bytes", "max_int_bits"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
-                raise ConfigError(f"Limits.{name}={value!r} must be a positive int")
+                raise ConfigError(f"DocumentLimits.{name}={value!r} must be a positive int")
         if self.max_int_bits > MAX_SUPPORTED_INT_BITS:
             raise ConfigError(
-                f"Limits.max_int_bits={self.max_int_bits} exceeds the supported "
+                f"DocumentLimits.max_int_bits={self.max_int_bits} exceeds the supported "
                 f"{MAX_SUPPORTED_INT_BITS}; use a value <= {MAX_SUPPORTED_INT_BITS}"
             )
         if self.max_depth > MAX_SUPPORTED_DEPTH:
             raise ConfigError(
-                f"Limits.max_depth={self.max_depth} exceeds the supported "
+                f"DocumentLimits.max_depth={self.max_depth} exceeds the supported "
                 f"{MAX_SUPPORTED_DEPTH}; flatten the state or use a value <= {MAX_SUPPORTED_DEPTH}"
             )
 
 
-DEFAULT_LIMITS = Limits()
+DEFAULT_LIMITS = DocumentLimits()

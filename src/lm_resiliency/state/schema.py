@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from lm_resiliency.errors import StateSchemaError
-from lm_resiliency.state.limits import DEFAULT_LIMITS, Limits
+from lm_resiliency.state.limits import DEFAULT_LIMITS, DocumentLimits
 
 SCHEMA_VERSION = "lm_resiliency.state/1"
 
@@ -64,11 +64,11 @@ Path = tuple[str, ...]
 
 
 def dumps_document(document: Mapping[str, Any]) -> str:
-    """The compact JSON text of a document (what ``Limits.max_bytes`` measures)."""
+    """The compact JSON text of a document (what ``DocumentLimits.max_bytes`` measures)."""
     return json.dumps(document, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def loads_document(text: str | bytes, *, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+def loads_document(text: str | bytes, *, limits: DocumentLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     """Parse JSON text into a document without trusting it.
 
     Checks the text's size before parsing; the result still has to pass
@@ -78,7 +78,7 @@ def loads_document(text: str | bytes, *, limits: Limits = DEFAULT_LIMITS) -> dic
     nbytes = len(text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text)
     if nbytes > limits.max_bytes:
         raise StateSchemaError(
-            f"state document is {nbytes} bytes, over Limits.max_bytes={limits.max_bytes}"
+            f"state document is {nbytes} bytes, over DocumentLimits.max_bytes={limits.max_bytes}"
         )
 
     def _no_constants(name: str) -> NoReturn:
@@ -94,7 +94,7 @@ def loads_document(text: str | bytes, *, limits: Limits = DEFAULT_LIMITS) -> dic
 
 
 def validate_document(
-    document: Any, *, tensor_count: int | None = None, limits: Limits = DEFAULT_LIMITS
+    document: Any, *, tensor_count: int | None = None, limits: DocumentLimits = DEFAULT_LIMITS
 ) -> None:
     """Check that ``document`` is a well-formed state document within ``limits``.
 
@@ -110,7 +110,7 @@ def read_document(
     document: Any,
     tensors: Sequence[torch.Tensor] | None,
     tensor_count: int | None,
-    limits: Limits,
+    limits: DocumentLimits,
 ) -> Any:
     """Validate ``document`` and rebuild its tree (tensor nodes become ``tensors[i]``,
     or ``None`` when ``tensors`` is ``None``). Raises ``StateSchemaError`` only."""
@@ -133,7 +133,7 @@ def _brief(value: Any) -> str:
 
 
 class _Reader:
-    def __init__(self, limits: Limits, tensors: Sequence[torch.Tensor] | None) -> None:
+    def __init__(self, limits: DocumentLimits, tensors: Sequence[torch.Tensor] | None) -> None:
         self.limits = limits
         self.tensors = tensors
         self.count = 0
@@ -183,7 +183,7 @@ class _Reader:
             raise StateSchemaError(f"state document is not JSON-serializable: {exc}") from None
         if nbytes > self.limits.max_bytes:
             raise StateSchemaError(
-                f"state document is {nbytes} bytes of JSON, over Limits.max_bytes="
+                f"state document is {nbytes} bytes of JSON, over DocumentLimits.max_bytes="
                 f"{self.limits.max_bytes}"
             )
         return root
@@ -207,10 +207,13 @@ class _Reader:
 
     def enter(self, path: Path, depth: int, count: int) -> None:
         if depth + 1 > self.limits.max_depth:
-            self.fail(path, f"containers nest deeper than Limits.max_depth={self.limits.max_depth}")
+            self.fail(
+                path,
+                f"containers nest deeper than DocumentLimits.max_depth={self.limits.max_depth}",
+            )
         self.items += count
         if self.items > self.limits.max_items:
-            self.fail(path, f"more than Limits.max_items={self.limits.max_items} values")
+            self.fail(path, f"more than DocumentLimits.max_items={self.limits.max_items} values")
 
     def string(self, s: Any, path: Path, what: str) -> str:
         if type(s) is not str:
@@ -224,7 +227,9 @@ class _Reader:
         else:
             nbytes = len(s)
         if nbytes > limit:
-            self.fail(path, f"{what} is {nbytes} bytes, over Limits.max_string_bytes={limit}")
+            self.fail(
+                path, f"{what} is {nbytes} bytes, over DocumentLimits.max_string_bytes={limit}"
+            )
         return s
 
     def integer(
@@ -235,7 +240,7 @@ class _Reader:
         if v.bit_length() > self.limits.max_int_bits:
             self.fail(
                 path,
-                f"{what} has {v.bit_length()} bits, over Limits.max_int_bits="
+                f"{what} has {v.bit_length()} bits, over DocumentLimits.max_int_bits="
                 f"{self.limits.max_int_bits}",
             )
         if (lo is not None and v < lo) or (hi is not None and v > hi):

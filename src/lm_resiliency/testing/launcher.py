@@ -41,7 +41,6 @@ import torch.distributed as dist
 from lm_resiliency._killpoints import KILL_ENV
 from lm_resiliency.errors import CollectiveTimeout, RankFailure, RankFailures
 
-_KILL_ENV = KILL_ENV
 _HOST = "127.0.0.1"
 
 
@@ -142,7 +141,7 @@ def run_distributed(
             **((rank_env or {}).get(rank, {})),
         }
         if rank in kill:
-            child_env[_KILL_ENV] = kill[rank]
+            child_env[KILL_ENV] = kill[rank]
         p = ctx.Process(
             target=_child,
             args=(

@@ -9,8 +9,8 @@ runs one training step that every rank commits or every rank discards; see
 from __future__ import annotations
 
 from lm_resiliency.rng import RngState
-from lm_resiliency.transactions.config import ExhaustedPolicy, MTGSConfig
 from lm_resiliency.transactions.hook import MTGSState, mtgs_comm_hook
+from lm_resiliency.transactions.mtgs_config import ExhaustedPolicy, MTGSConfig
 from lm_resiliency.transactions.reasons import AbortReason, describe, reason_names
 from lm_resiliency.transactions.result import AbortRecord, StepResult
 from lm_resiliency.transactions.shadow import Shadow

@@ -56,8 +56,8 @@ from lm_resiliency.faults import FaultInjector
 from lm_resiliency.rng import RngState
 from lm_resiliency.telemetry import EttrTimer, EventLog
 from lm_resiliency.transactions import fallback, health
-from lm_resiliency.transactions.config import ExhaustedPolicy, MTGSConfig
 from lm_resiliency.transactions.hook import MTGSState, mtgs_comm_hook
+from lm_resiliency.transactions.mtgs_config import ExhaustedPolicy, MTGSConfig
 from lm_resiliency.transactions.reasons import AbortReason, decode_codes, describe, reason_names
 from lm_resiliency.transactions.result import AbortRecord, StepResult
 from lm_resiliency.transactions.shadow import Shadow

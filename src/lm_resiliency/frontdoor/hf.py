@@ -2,7 +2,7 @@
 
 The Trainer's front door (it owns the training loop, so ``enable_resiliency`` cannot
 hook it): the callback builds :class:`~lm_resiliency.integrations.hf.HFAdapter` at
-train begin and its handle through :func:`~lm_resiliency.resiliency.enable.enable_adapter`.
+train begin and its handle through :func:`~lm_resiliency.frontdoor.enable.enable_adapter`.
 Needs the ``hf`` extra.
 
 ::
@@ -53,9 +53,9 @@ from transformers import TrainerCallback
 
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.frontdoor.enable import enable_adapter
+from lm_resiliency.frontdoor.validate import gemini_config
 from lm_resiliency.integrations.hf import HFAdapter, dataloader_length
-from lm_resiliency.resiliency.enable import enable_adapter
-from lm_resiliency.resiliency.validate import gemini_config
 from lm_resiliency.rng import restore_rng
 
 __all__ = ["ResiliencyCallback"]
@@ -88,7 +88,7 @@ class ResiliencyCallback(TrainerCallback):  # type: ignore[misc]
         self.last_start_step: int | None = None
         """The step the latest ``train()`` began after (0: fresh)."""
         self.last_recovery: Any = None
-        """The latest ``train()``'s :class:`~lm_resiliency.resiliency.recover.RecoveryInfo`."""
+        """The latest ``train()``'s :class:`~lm_resiliency.frontdoor.resume.RecoveryInfo`."""
         self._adapter: HFAdapter | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._stepped = False

@@ -6,15 +6,17 @@ See ``docs/integration.md`` for the integration per framework and what
 
 from __future__ import annotations
 
-from lm_resiliency.resiliency.boundary import BlockingStats, CaptureGate
-from lm_resiliency.resiliency.enable import enable_resiliency
-from lm_resiliency.resiliency.handle import ResiliencyHandle
-from lm_resiliency.resiliency.recover import RecoveryInfo
+from lm_resiliency.frontdoor.boundary import BlockingStats, CaptureGate
+from lm_resiliency.frontdoor.enable import enable_resiliency
+from lm_resiliency.frontdoor.handle import ResiliencyHandle
+from lm_resiliency.frontdoor.resiliency_config import ResiliencyConfig
+from lm_resiliency.frontdoor.resume import RecoveryInfo
 
 __all__ = [
     "BlockingStats",
     "CaptureGate",
     "RecoveryInfo",
+    "ResiliencyConfig",
     "ResiliencyHandle",
     "enable_resiliency",
 ]

@@ -11,12 +11,13 @@ import logging
 from typing import Any
 
 from lm_resiliency.config import InMemoryCkptConfig
-from lm_resiliency.detection.config import ScoutConfig
+from lm_resiliency.detection.scout_config import ScoutConfig
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.frontdoor.resiliency_config import ResiliencyConfig
 from lm_resiliency.integrations.base import Adapter
-from lm_resiliency.transactions.config import MTGSConfig
+from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
-__all__ = ["gemini_config", "check_mtgs", "check_scout"]
+__all__ = ["check_mtgs", "check_scout", "gemini_config", "split_config"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,27 @@ def describe_model(adapter: Adapter) -> str:
     return f"{cls.__module__}.{cls.__qualname__} (adapter {adapter.framework!r})"
 
 
+def split_config(config: Any, mtgs: Any, scout: Any) -> tuple[Any, Any, Any]:
+    """``(config, mtgs, scout)`` with a :class:`ResiliencyConfig` in ``config`` unpacked.
+
+    A tier given both nested and as its own argument raises ``ConfigError`` (which one
+    was meant cannot be guessed); anything else passes through for the checks below.
+    """
+    if not isinstance(config, ResiliencyConfig):
+        return config, mtgs, scout
+    for name, given, nested in (("mtgs", mtgs, config.mtgs), ("scout", scout, config.scout)):
+        if given is not None and nested is not None:
+            raise ConfigError(
+                f"{name} is given twice, as {name}=... and as config=ResiliencyConfig("
+                f"{name}=...); pass it once"
+            )
+    return (
+        config.gemini,
+        mtgs if mtgs is not None else config.mtgs,
+        scout if scout is not None else config.scout,
+    )
+
+
 def gemini_config(config: Any, interval: Any) -> InMemoryCkptConfig:
     """``config`` (default ``InMemoryCkptConfig()``) with ``interval`` as its capture cadence.
 
@@ -44,7 +66,8 @@ def gemini_config(config: Any, interval: Any) -> InMemoryCkptConfig:
     if config is not None and not isinstance(config, InMemoryCkptConfig):
         raise ConfigError(
             f"config must be an InMemoryCkptConfig, got {type(config).__name__}; e.g. "
-            "config=InMemoryCkptConfig(disk_folder='/local/ckpt')"
+            "config=InMemoryCkptConfig(disk_folder='/local/ckpt') (or a "
+            "ResiliencyConfig(gemini=..., mtgs=..., scout=...))"
         )
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ConfigError(

@@ -18,9 +18,9 @@ import torch
 
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.errors import ConfigError, ResiliencyError
+from lm_resiliency.frontdoor.boundary import BlockingStats, CaptureBoundary, CaptureGate
+from lm_resiliency.frontdoor.resume import RecoveryInfo
 from lm_resiliency.integrations.base import Adapter, Unbind
-from lm_resiliency.resiliency.boundary import BlockingStats, CaptureBoundary, CaptureGate
-from lm_resiliency.resiliency.recover import RecoveryInfo
 
 if TYPE_CHECKING:
     from lm_resiliency.detection import Scout, ScoutResult

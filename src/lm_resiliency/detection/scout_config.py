@@ -10,27 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lm_resiliency._validate import Rule, Rules, at_least, positive_time, validate
 from lm_resiliency.errors import ConfigError
-
-
-def _int(owner: str, name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{owner}.{name}={value!r} must be an int (got {type(value).__name__})")
-    if value < minimum:
-        raise ConfigError(f"{owner}.{name}={value} is invalid; use an int >= {minimum}")
-
-
-def _flag(owner: str, name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{owner}.{name}={value!r} must be True or False")
-
-
-def _positive(owner: str, name: str, value: object, *, allow_zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{owner}.{name}={value!r} must be a number")
-    if not value >= 0 or (value == 0 and not allow_zero):  # also refuses NaN
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{owner}.{name}={value} is invalid; use a number {bound}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,9 +25,7 @@ class RecipeClass:
     """Steps between checks of this class; ``None`` uses :attr:`ScoutConfig.interval`."""
 
     def __post_init__(self) -> None:
-        _flag("RecipeClass", "enabled", self.enabled)
-        if self.interval is not None:
-            _int("RecipeClass", "interval", self.interval, minimum=1)
+        validate(self, _RECIPE_RULES, prefix="RecipeClass.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,33 +71,12 @@ class ScoutConfig:
     """Bound on every SCOUT collective (its private Gloo groups)."""
 
     def __post_init__(self) -> None:
-        owner = "ScoutConfig"
-        _flag(owner, "enable", self.enable)
-        if self.interval is not None:
-            _int(owner, "interval", self.interval, minimum=1)
-        for name in ("dense", "optimizer", "dynamic"):
-            value = getattr(self, name)
-            if not isinstance(value, RecipeClass):
-                raise ConfigError(
-                    f"{owner}.{name}={value!r} must be a RecipeClass, e.g. "
-                    f"RecipeClass(interval=20) or RecipeClass(enabled=False)"
-                )
+        validate(self, _RULES, prefix="ScoutConfig.")
         if self.enable and not (self.dense.enabled or self.optimizer.enabled):
             raise ConfigError(
-                f"{owner}: dense and optimizer recipes are both disabled, so no check could "
+                "ScoutConfig: dense and optimizer recipes are both disabled, so no check could "
                 "run at a capture boundary; enable one of them or set enable=False"
             )
-        _int(owner, "seed", self.seed, minimum=0)
-        _positive(owner, "straggler_mad_factor", self.straggler_mad_factor)
-        _positive(owner, "straggler_floor_s", self.straggler_floor_s, allow_zero=True)
-        _positive(owner, "straggler_min_slowdown", self.straggler_min_slowdown)
-        if self.straggler_min_slowdown < 1:
-            raise ConfigError(
-                f"{owner}.straggler_min_slowdown={self.straggler_min_slowdown} is invalid; "
-                "use a factor >= 1 such as 2.0"
-            )
-        _flag(owner, "persist_certified", self.persist_certified)
-        _positive(owner, "timeout_s", self.timeout_s)
 
     def class_interval(self, name: str, default: int) -> int | None:
         """The interval of class ``name`` (``None`` when disabled); ``default`` is GEMINI's."""
@@ -128,3 +86,33 @@ class ScoutConfig:
         if cls.interval is not None:
             return cls.interval
         return self.interval if self.interval is not None else default
+
+
+def _interval(example: str) -> Rule:
+    return at_least(1, "is invalid; use an int >= 1", example)
+
+
+_RECIPE_RULES: dict[str, Rules] = {"interval": _interval("RecipeClass(interval=10)")}
+
+_ANY_RECIPE = Rule(lambda v: True, "", "RecipeClass(interval=20) or RecipeClass(enabled=False)")
+
+_RULES: dict[str, Rules] = {
+    "interval": _interval("interval=10"),
+    # The annotation (a RecipeClass) is the whole check; the rule adds the example.
+    "dense": _ANY_RECIPE,
+    "optimizer": _ANY_RECIPE,
+    "dynamic": _ANY_RECIPE,
+    "seed": at_least(0, "is invalid; use an int >= 0", "seed=0"),
+    "straggler_mad_factor": Rule(
+        lambda v: v > 0, "is invalid; use a number > 0", "straggler_mad_factor=5.0"
+    ),
+    "straggler_floor_s": Rule(
+        lambda v: v >= 0, "is invalid; use a number >= 0", "straggler_floor_s=0.005"
+    ),
+    "straggler_min_slowdown": (
+        Rule(lambda v: v > 0, "is invalid; use a number > 0", "straggler_min_slowdown=2.0"),
+        Rule(lambda v: v >= 1, "is invalid; use a factor >= 1 such as 2.0"),
+    ),
+    "timeout_s": positive_time("timeout_s=120"),
+}
+"""Ranges of :class:`ScoutConfig`'s fields (types come from the annotations)."""

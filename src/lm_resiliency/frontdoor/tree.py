@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from lm_resiliency.control import all_gather_trees
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.frontdoor.objects import StateObjects
 from lm_resiliency.integrations.base import Adapter, ParallelLayout
-from lm_resiliency.resiliency.objects import StateObjects
 from lm_resiliency.rng import capture_rng, restore_rng
 from lm_resiliency.state import Deferred
 

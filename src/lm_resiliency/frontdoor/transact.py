@@ -5,7 +5,7 @@ How the two fit (no hook of one knows the other):
 * MTGS runs ``optimizer.step()`` itself, inside the commit. The handle's
   pre-step hook on that optimizer still fires there, so the capture in flight
   is complete before MTGS modifies the parameters.
-* The post-step hook does nothing under MTGS (:class:`~lm_resiliency.resiliency.boundary.WaitOnly`):
+* The post-step hook does nothing under MTGS (:class:`~lm_resiliency.frontdoor.boundary.WaitOnly`):
   ``optimizer.step()`` of an attempt is not yet a committed step (the commit
   confirmation may still roll it back). :meth:`ResiliencyHandle.train_step`
   counts the step and launches the capture only after MTGS returned a
@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.faults import FaultInjector
+from lm_resiliency.frontdoor.objects import StateObjects, is_grad_scaler, is_lr_scheduler
 from lm_resiliency.integrations.base import Adapter
-from lm_resiliency.resiliency.objects import StateObjects, is_grad_scaler, is_lr_scheduler
 from lm_resiliency.transactions import MTGS, MTGSConfig
 
 __all__ = ["attach_faults", "build_mtgs", "check_faults"]

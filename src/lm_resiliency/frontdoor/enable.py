@@ -13,17 +13,18 @@ from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.detection import ComparisonGroups, Scout, ScoutConfig
 from lm_resiliency.faults import FaultInjector
+from lm_resiliency.frontdoor.boundary import CaptureBoundary, WaitOnly
+from lm_resiliency.frontdoor.handle import ResiliencyHandle
+from lm_resiliency.frontdoor.objects import StateObjects
+from lm_resiliency.frontdoor.resiliency_config import ResiliencyConfig
+from lm_resiliency.frontdoor.resume import resume, resume_from_framework
+from lm_resiliency.frontdoor.transact import attach_faults, build_mtgs, check_faults
+from lm_resiliency.frontdoor.tree import CaptureTree
+from lm_resiliency.frontdoor.validate import check_mtgs, check_scout, gemini_config, split_config
 from lm_resiliency.integrations.base import Adapter, Unbind
 from lm_resiliency.integrations.registry import adapter_for
-from lm_resiliency.resiliency.boundary import CaptureBoundary, WaitOnly
-from lm_resiliency.resiliency.handle import ResiliencyHandle
-from lm_resiliency.resiliency.objects import StateObjects
-from lm_resiliency.resiliency.recover import recover, resumed
-from lm_resiliency.resiliency.transact import attach_faults, build_mtgs, check_faults
-from lm_resiliency.resiliency.tree import CaptureTree
-from lm_resiliency.resiliency.validate import check_mtgs, check_scout, gemini_config
 from lm_resiliency.rng import restore_rng as restore_now
-from lm_resiliency.transactions.config import MTGSConfig
+from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
 __all__ = ["enable_adapter", "enable_resiliency"]
 
@@ -37,7 +38,7 @@ def enable_resiliency(
     interval: int = 10,
     load_fallback: Callable[[], int | None] | None = None,
     state: Mapping[str, Any] | None = None,
-    config: InMemoryCkptConfig | None = None,
+    config: InMemoryCkptConfig | ResiliencyConfig | None = None,
     mtgs: MTGSConfig | None = None,
     scout: ScoutConfig | None = None,
     failure_kind: str | None = None,
@@ -58,27 +59,30 @@ def enable_resiliency(
     common to all ranks, ``load_fallback()`` runs on every rank, restores the
     durable checkpoint itself and returns its step (or ``None``: fresh start).
 
-    ``interval`` overrides ``config.interval``. ``mtgs=MTGSConfig(...)`` makes
-    each step a transaction through :meth:`ResiliencyHandle.train_step` (DDP
-    only). ``scout=ScoutConfig(...)`` runs a SCOUT check before every capture
-    at the same boundary (a capture is taken only when it is accepted, and a
-    dense check certifies it ``RECOVERY_VERIFIED`` at once; ``handle.last_scout``
-    is the latest result) and makes the recovery on enable follow the failure
-    kind: ``failure_kind`` (``"sdc"``, ``"inaccessible"``, ``"straggler"``,
-    ``"hang"``, ``"unknown"``) or ``$LM_RESILIENCY_FAILURE_KIND`` (an
-    orchestrator's verdict), and a verdict SCOUT persisted before the restart.
+    ``interval`` overrides ``config.interval``. ``config`` may also be a
+    :class:`ResiliencyConfig` holding all three tiers (``gemini``, ``mtgs``, ``scout``); a
+    tier given there and as its own argument raises ``ConfigError``.
+    ``mtgs=MTGSConfig(...)`` makes each step a transaction through
+    :meth:`ResiliencyHandle.train_step` (DDP only). ``scout=ScoutConfig(...)`` runs a SCOUT
+    check before every capture at the same boundary (a capture is taken only when it is
+    accepted, and a dense check certifies it ``RECOVERY_VERIFIED`` at once;
+    ``handle.last_scout`` is the latest result) and makes the recovery on enable follow the
+    failure kind: ``failure_kind`` (``"sdc"``, ``"inaccessible"``, ``"straggler"``,
+    ``"hang"``, ``"unknown"``) or ``$LM_RESILIENCY_FAILURE_KIND`` (an orchestrator's
+    verdict), and a verdict SCOUT persisted before the restart.
     ``faults=FaultInjector(schedule, rank=rank)`` (armed: ``arm()`` or
-    ``LM_RESILIENCY_FAULTS=1``; needs ``mtgs=``) injects the schedule's faults
-    into the transaction's steps, for drills and tests: the injector's hooks are
-    installed on the model and optimizer unless already installed (and removed
-    by ``handle.close()``), and MTGS tells it each step and attempt.
+    ``LM_RESILIENCY_FAULTS=1``; needs ``mtgs=``) injects the schedule's faults into the
+    transaction's steps, for drills and tests: the injector's hooks are installed on the
+    model and optimizer unless already installed (and removed by ``handle.close()``), and
+    MTGS tells it each step and attempt.
 
     Raises ``ConfigError`` for invalid or incompatible arguments (before any
     collective), ``StateEncodingError`` naming the key path of a ``state``
     value that cannot be captured, ``NoConsistentStep`` or the fallback's own
     errors from recovery.
     """
-    cfg = gemini_config(config, interval)
+    gemini, mtgs, scout = split_config(config, mtgs, scout)
+    cfg = gemini_config(gemini, interval)
     adapter = adapter_for(model, optimizer)
     return enable_adapter(
         adapter,
@@ -134,11 +138,11 @@ def enable_adapter(
         if scout_config is not None:
             checker = _scout(scout_config, adapter, layout, manager)
         if resumed_step is None:
-            recovery = recover(
+            recovery = resume(
                 manager, tree.apply, fallback, scout=checker, failure_kind=failure_kind
             )
         else:
-            recovery = resumed(manager, resumed_step)
+            recovery = resume_from_framework(manager, resumed_step)
         boundary = CaptureBoundary(
             manager,
             interval=config.interval,
@@ -162,7 +166,7 @@ def enable_adapter(
         if installed:
             assert injector is not None
             unbind = _also_removing(unbind, injector)
-        manager.commit_recovery()  # applied and bound: only now is an own slot handed over
+        manager.commit_restore()  # applied and bound: only now is an own slot handed over
     except BaseException:
         if installed:
             assert injector is not None

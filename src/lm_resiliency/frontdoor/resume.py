@@ -1,4 +1,11 @@
-"""Recovery on enable: the newest common GEMINI step, else the caller's durable fallback.
+"""Resume on enable: the newest common GEMINI step, else the caller's durable fallback.
+
+Vocabulary, one word per layer: the front door *resumes* training (this module,
+:func:`resume`); the manager *restores* a step (:mod:`lm_resiliency.checkpointing.restore`,
+``Restorer``, ``RestoreReport``, ``manager.last_restore``); :mod:`lm_resiliency.recovery`
+is *recovery*: which step every rank can obtain and the fetch of it; SCOUT makes the
+*recovery decision* (:func:`~lm_resiliency.detection.decision.decide_recovery`). What the
+user reads back is ``handle.last_recovery`` (:class:`RecoveryInfo`), the whole story.
 
 Collective (every rank of the manager's group, at the same point): ``find_latest``
 agrees on the newest step every rank can obtain; ``load`` fetches this rank's
@@ -17,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager, RecoveryReport
+from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager, RestoreReport
 from lm_resiliency.detection import RecoveryDecision, Scout, decide_recovery
 from lm_resiliency.errors import ConfigError
 
-__all__ = ["RecoveryInfo", "recover", "resumed"]
+__all__ = ["RecoveryInfo", "resume", "resume_from_framework"]
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +42,19 @@ class RecoveryInfo:
     rank's source in group-rank order (``"own memory"``, ``"peer disk"``,
     ``"fallback"``, ...); ``seconds``: this rank's wall time for the whole
     recovery (agreement, fetch, apply); ``report``: the manager's
-    :class:`RecoveryReport` (bytes moved, phases, walk-back), when it loaded.
+    :class:`RestoreReport` (bytes moved, phases, walk-back), when it loaded.
     """
 
     step: int | None
     source: str
     sources: tuple[str, ...]
     seconds: float
-    report: RecoveryReport | None
+    report: RestoreReport | None
     decision: RecoveryDecision | None = None
     """SCOUT's recovery decision (failure kind, mode, reason), when SCOUT is enabled."""
 
 
-def recover(
+def resume(
     manager: InMemoryCheckpointManager,
     apply: Callable[[Any], int],
     load_fallback: Callable[[], Any] | None,
@@ -55,7 +62,7 @@ def recover(
     scout: Scout | None = None,
     failure_kind: str | None = None,
 ) -> RecoveryInfo:
-    """Run the recovery; ``apply(tree)`` restores a GEMINI tree and returns its step.
+    """Resume: restore the chosen step; ``apply(tree)`` restores a GEMINI tree and returns its step.
 
     With ``scout`` the recovery mode follows the failure kind (SCOUT's
     decision table, ``decide_recovery``): a detected SDC (also one SCOUT
@@ -66,7 +73,7 @@ def recover(
     """
     t0 = time.perf_counter()
     if scout is not None:
-        return _recover_decided(manager, apply, load_fallback, scout, failure_kind, t0)
+        return _resume_decided(manager, apply, load_fallback, scout, failure_kind, t0)
     step = manager.find_latest()
     if step is None and load_fallback is None:
         return RecoveryInfo(None, "fresh", ("fresh",) * manager.world_size, _since(t0), None)
@@ -74,7 +81,7 @@ def recover(
     return _applied(manager, apply, loaded, step, t0)
 
 
-def resumed(manager: InMemoryCheckpointManager, step: int) -> RecoveryInfo:
+def resume_from_framework(manager: InMemoryCheckpointManager, step: int) -> RecoveryInfo:
     """The framework restored its own durable checkpoint of ``step``: no GEMINI recovery."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"resumed_step={step!r} must be the restored step (an int >= 0)")
@@ -83,7 +90,7 @@ def resumed(manager: InMemoryCheckpointManager, step: int) -> RecoveryInfo:
     return RecoveryInfo(step, "fallback", ("fallback",) * manager.world_size, 0.0, None)
 
 
-def _recover_decided(
+def _resume_decided(
     manager: InMemoryCheckpointManager,
     apply: Callable[[Any], int],
     load_fallback: Callable[[], Any] | None,
@@ -96,7 +103,7 @@ def _recover_decided(
     def load_latest(step: int) -> None:
         # The sweep replays the state it is about to certify, so apply it first.
         applied["tree"] = manager.load(step)
-        applied["step"] = manager.last_recovery.step if manager.last_recovery else None
+        applied["step"] = manager.last_restore.step if manager.last_restore else None
         if applied["step"] is not None:
             apply(applied["tree"])
 
@@ -111,7 +118,7 @@ def _recover_decided(
         decision.reason,
     )
     if decision.step is not None and applied.get("step") == decision.step:
-        report = manager.last_recovery
+        report = manager.last_restore
         assert report is not None
         return RecoveryInfo(
             decision.step, "gemini", tuple(report.sources), _since(t0), report, decision
@@ -132,11 +139,11 @@ def _applied(
     step: int | None,
     t0: float,
 ) -> RecoveryInfo:
-    report = manager.last_recovery
+    report = manager.last_restore
     assert report is not None
     if report.step is not None:
-        resumed = apply(loaded)
-        return RecoveryInfo(resumed, "gemini", tuple(report.sources), _since(t0), report)
+        step_applied = apply(loaded)
+        return RecoveryInfo(step_applied, "gemini", tuple(report.sources), _since(t0), report)
     fallback_step = _agree(manager, loaded)
     source = "fallback" if fallback_step is not None else "fresh"
     if step is not None:

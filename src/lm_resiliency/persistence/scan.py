@@ -88,7 +88,7 @@ class RunInfo:
     problems: list[EntryProblem] = field(default_factory=list)
 
 
-def scan(folder: str | Path, *, verify: bool = False) -> list[RunInfo]:
+def scan_checkpoints(folder: str | Path, *, verify: bool = False) -> list[RunInfo]:
     """Describe every run under ``folder`` (sorted by name).
 
     Raises ``OSError`` when ``folder`` cannot be read and ``UnsafePathError``
@@ -305,5 +305,5 @@ def problems(runs: list[RunInfo]) -> list[str]:
 
 
 def to_json(runs: list[RunInfo]) -> list[dict[str, Any]]:
-    """Plain JSON-ready dicts of :func:`scan`'s result."""
+    """Plain JSON-ready dicts of :func:`scan_checkpoints`'s result."""
     return [asdict(r) for r in runs]
