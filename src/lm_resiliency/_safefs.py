@@ -38,6 +38,7 @@ import fcntl
 import os
 import pwd
 import stat
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
@@ -407,3 +408,20 @@ def preadinto_exact(fd: int, view: memoryview, offset: int) -> int:
             break
         done += n
     return done
+
+
+def flock_within(fd: int, wait_s: float, *, poll_s: float = 0.05) -> bool:
+    """Take an exclusive ``flock`` on ``fd``, waiting up to ``wait_s`` for its holder to let
+    go (an exiting predecessor); False when it is still held then. Raises ``OSError`` for
+    any other failure. The caller owns ``fd`` either way."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)

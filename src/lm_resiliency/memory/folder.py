@@ -30,11 +30,10 @@ import logging
 import os
 import shutil
 import stat
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm_resiliency._safefs import FOREIGN_OWNER, NOT_A_FILE, open_subdir, owner_of
+from lm_resiliency._safefs import FOREIGN_OWNER, NOT_A_FILE, flock_within, open_subdir, owner_of
 from lm_resiliency._safefs import open_root as safe_open_root
 from lm_resiliency.errors import ConfigError, ResiliencyError, UnsafePathError
 from lm_resiliency.knobs import MEMORY_LOCK_WAIT_S
@@ -169,24 +168,19 @@ class MemoryFolder:
             if exc.reason == NOT_A_FILE:
                 raise self._bad_lock(where, _kind_name(kind)) from None
             raise UnsafePathError(str(exc), reason=exc.reason, path=where) from None
-        deadline = time.monotonic() + MEMORY_LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    os.close(fd)
-                    raise
-                if time.monotonic() > deadline:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                    os.close(fd)
-                    raise ResiliencyError(
-                        f"{self.path} is in use by another live process (pid {holder}); "
-                        "one process per rank: stop the other worker, or give this job "
-                        "another run_id"
-                    ) from None
-                time.sleep(0.05)
+        try:
+            locked = flock_within(fd, MEMORY_LOCK_WAIT_S)
+        except OSError:
+            os.close(fd)
+            raise
+        if not locked:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ResiliencyError(
+                f"{self.path} is in use by another live process (pid {holder}); "
+                "one process per rank: stop the other worker, or give this job "
+                "another run_id"
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd

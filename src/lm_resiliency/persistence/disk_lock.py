@@ -30,10 +30,9 @@ import os
 import re
 import socket
 import stat
-import time
 from pathlib import Path
 
-from lm_resiliency._safefs import opened_dir
+from lm_resiliency._safefs import flock_within, opened_dir
 from lm_resiliency.errors import ResiliencyError, UnsafePathError
 from lm_resiliency.knobs import MEMORY_LOCK_WAIT_S
 from lm_resiliency.persistence import namespace as ns
@@ -89,25 +88,20 @@ class DiskLock:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             os.close(fd)
             raise UnsafePathError(f"{where} must be a regular file owned by this user: remove it")
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    os.close(fd)
-                    raise
-                if time.monotonic() > deadline:
-                    holder = _holder(fd)
-                    os.close(fd)
-                    raise ResiliencyError(
-                        f"disk folder {root}: run {run_id!r} rank {rank} is in use by another "
-                        f"live job ({holder}; lock {where}). Two jobs must not share a run id "
-                        "and disk folder: stop the other job, or give this one another "
-                        "run_id or disk_folder"
-                    ) from None
-                time.sleep(0.05)
+        try:
+            locked = flock_within(fd, wait_s)
+        except OSError:
+            os.close(fd)
+            raise
+        if not locked:
+            holder = _holder(fd)
+            os.close(fd)
+            raise ResiliencyError(
+                f"disk folder {root}: run {run_id!r} rank {rank} is in use by another "
+                f"live job ({holder}; lock {where}). Two jobs must not share a run id "
+                "and disk folder: stop the other job, or give this one another "
+                "run_id or disk_folder"
+            )
         doc = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{doc}\n".encode(), 0)
