@@ -1,0 +1,196 @@
+"""Key names and record codecs of the live-membership protocol (docs/live-membership.md §2.3).
+
+Every key lives under ``lmr/live/<run>/`` on the coordinator's ``TCPStore``. Records are strict
+JSON objects (:mod:`lm_resiliency._strict_json`); a malformed record raises ``ValueError`` naming
+the key, never a half-read value.
+
+========================  ================  ===============================================
+key                       writer            value
+========================  ================  ===============================================
+``coord``                 coordinator       :class:`CoordRecord`, once at start
+``coord/beat``            coordinator       a counter, ``add``-ed every tick
+``epoch``                 coordinator       the current epoch number (written after
+                                            ``epoch/<E>``)
+``epoch/<E>``             coordinator       :class:`EpochRecord`
+``hb/<r>/<g>``            worker            :class:`Heartbeat`
+``fail/<E>``              first of anyone   :class:`Failure` (``compare_set`` from absent)
+``ack/<E>/<r>/<g>``       worker            :class:`Ack`
+``join/<r>/<g>``          joining worker    :class:`Join`
+``pg/<E>/g<g>/``          (prefix)          the epoch's cross-replica Gloo rendezvous
+``heal/<E>/<r>/g<g>/``    (prefix)          the donor-to-joiner channel
+========================  ================  ===============================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from lm_resiliency import _strict_json
+
+__all__ = [
+    "Ack",
+    "CoordRecord",
+    "EpochRecord",
+    "Failure",
+    "Heartbeat",
+    "Join",
+    "Keys",
+    "decode",
+    "encode",
+]
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The key names of one run (``Keys("run-1").epoch_record(3)`` and so on)."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        if not self.run or "/" in self.run or not self.run.isprintable():
+            raise ValueError(
+                f"live run id {self.run!r} must be a non-empty printable name without '/'; "
+                "set LMR_LIVE_RUN (the launcher sets it) to e.g. 'run-1'"
+            )
+
+    @property
+    def root(self) -> str:
+        return f"lmr/live/{self.run}/"
+
+    @property
+    def coord(self) -> str:
+        return self.root + "coord"
+
+    @property
+    def beat(self) -> str:
+        return self.root + "coord/beat"
+
+    @property
+    def epoch(self) -> str:
+        return self.root + "epoch"
+
+    def epoch_record(self, epoch: int) -> str:
+        return f"{self.root}epoch/{epoch}"
+
+    def heartbeat(self, replica: int, group_rank: int) -> str:
+        return f"{self.root}hb/{replica}/{group_rank}"
+
+    def failure(self, epoch: int) -> str:
+        return f"{self.root}fail/{epoch}"
+
+    def ack(self, epoch: int, replica: int, group_rank: int) -> str:
+        return f"{self.root}ack/{epoch}/{replica}/{group_rank}"
+
+    def join(self, replica: int, group_rank: int) -> str:
+        return f"{self.root}join/{replica}/{group_rank}"
+
+    def group_prefix(self, epoch: int, group_rank: int) -> str:
+        """Prefix of epoch ``epoch``'s cross-replica group of group rank ``group_rank``."""
+        return f"{self.root}pg/{epoch}/g{group_rank}/"
+
+    def heal_prefix(self, epoch: int, replica: int, group_rank: int) -> str:
+        return f"{self.root}heal/{epoch}/{replica}/g{group_rank}/"
+
+
+@dataclass(frozen=True)
+class CoordRecord:
+    generation: int
+    pid: int
+    live_port: int
+    """The liveness-socket port (EOF on it tells the coordinator a worker died)."""
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    epoch: int
+    members: tuple[int, ...]
+    """Replica ids, sorted. Empty: below ``min_replicas``, every worker falls back."""
+    reason: str
+    """``"start"``, ``"lost"``, ``"leave"``, ``"admit"``, ``"admission cancelled"``,
+    ``"below min_replicas"``."""
+    cause: str = ""
+    resume_step: int = 0
+    """The newest step every member holds committed; the new membership computes
+    ``resume_step + 1`` first (its ``effective_step``)."""
+    t_detect: float = 0.0
+    t_publish: float = 0.0
+    heal: dict[str, int] | None = None
+    """``{"joiner": r, "donor": d, "step": h}`` for an admission."""
+    incarnations: dict[str, str] = field(default_factory=dict)
+    """Replica id (as a string key) to the member incarnation admitted (fencing)."""
+
+    @property
+    def effective_step(self) -> int:
+        return self.resume_step + 1
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    inc: str
+    epoch: int
+    committed: int
+    t: float
+
+
+@dataclass(frozen=True)
+class Failure:
+    by: str
+    """``"r<replica>g<group rank>"`` or ``"coordinator"``."""
+    reason: str
+    t: float
+
+
+@dataclass(frozen=True)
+class Ack:
+    inc: str
+    committed: int
+    """The newest step whose commit confirmation completed on this rank."""
+    applied: int | None = None
+    """A step whose update ran but whose confirmation did not complete."""
+    shadow_of: int | None = None
+    """The step whose pre-state the shadow holds."""
+    in_flight: int | None = None
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Join:
+    inc: str
+    host: str
+    pid: int
+    slot_step: int = 0
+
+
+_Record = TypeVar("_Record", CoordRecord, EpochRecord, Heartbeat, Failure, Ack, Join)
+
+
+def encode(record: CoordRecord | EpochRecord | Heartbeat | Failure | Ack | Join) -> bytes:
+    """The record as compact strict JSON bytes (what ``store.set`` takes)."""
+    return json.dumps(dataclasses.asdict(record), separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode(kind: type[_Record], raw: bytes, *, key: str) -> _Record:
+    """Parse ``raw`` (read from ``key``) as a ``kind``; ``ValueError`` names the key and field."""
+    try:
+        doc: Any = _strict_json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"live record {key!r} is not strict JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"live record {key!r} is not a JSON object")
+    names = {f.name: f for f in dataclasses.fields(kind)}
+    unknown = sorted(set(doc) - set(names))
+    if unknown:
+        raise ValueError(f"live record {key!r} has unknown fields {unknown} for {kind.__name__}")
+    if "members" in doc:
+        if not isinstance(doc["members"], list) or not all(
+            isinstance(m, int) and not isinstance(m, bool) for m in doc["members"]
+        ):
+            raise ValueError(f"live record {key!r}: members must be a list of replica ids")
+        doc["members"] = tuple(doc["members"])
+    try:
+        return kind(**doc)
+    except TypeError as exc:
+        raise ValueError(f"live record {key!r} is not a {kind.__name__}: {exc}") from None

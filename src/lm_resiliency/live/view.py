@@ -1,0 +1,98 @@
+"""What the cross-replica group, the reducer and the transaction need from the membership.
+
+:class:`lm_resiliency.live.membership.Membership` implements :class:`MembershipView`. The
+seam exists so that ``group``/``reducer`` can be built and tested against the coordinator's
+real store without the lease machinery, and so that the front door can hold one object.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch.distributed as dist
+
+from lm_resiliency.live.keys import Ack, EpochRecord, Keys
+
+__all__ = ["CoordinatorLost", "EpochFailed", "Evicted", "MembershipView"]
+
+
+class EpochFailed(RuntimeError):
+    """A collective of membership epoch ``epoch`` failed or was abandoned (a peer was lost).
+
+    Raised on the caller's thread within one poll slice of the loss; the survivor then
+    acknowledges the epoch and reforms (:meth:`MembershipView.reform`).
+    """
+
+    def __init__(self, epoch: int, cause: str) -> None:
+        super().__init__(f"membership epoch {epoch} failed: {cause}")
+        self.epoch = epoch
+        self.cause = cause
+
+
+class Evicted(RuntimeError):
+    """This replica is not a member of the new epoch (it was hung, or it is fenced).
+
+    The front door exits with code 76; torchrun restarts the group as a joiner.
+    """
+
+    def __init__(self, epoch: int, reason: str) -> None:
+        super().__init__(
+            f"this replica was evicted at membership epoch {epoch} ({reason}); it exits and "
+            "its torchrun restarts it as a joining replica"
+        )
+        self.epoch = epoch
+        self.reason = reason
+
+
+class CoordinatorLost(RuntimeError):
+    """The coordinator is silent or unreachable; the job falls back to a whole-job restart."""
+
+
+class MembershipView(Protocol):
+    """One worker's view of the live membership (one thread; the caller's)."""
+
+    @property
+    def keys(self) -> Keys: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Replica ids of the current epoch, sorted."""
+        ...
+
+    @property
+    def replica(self) -> int:
+        """This process's replica id (``LMR_REPLICA_GROUP``)."""
+        ...
+
+    @property
+    def replicas(self) -> int:
+        """R, the replica count of a full world (``LMR_REPLICA_GROUPS``)."""
+        ...
+
+    @property
+    def group_rank(self) -> int:
+        """This process's rank inside its replica group (torchrun's ``RANK``)."""
+        ...
+
+    def store(self) -> dist.Store:
+        """A coordinator-store client owned by the calling thread (never shared)."""
+        ...
+
+    def failed(self) -> str | None:
+        """The cause if the current epoch has failed (``fail/<E>`` exists or was seen)."""
+        ...
+
+    def report_failure(self, reason: str) -> None:
+        """Publish ``fail/<E>`` for the current epoch unless someone already did."""
+        ...
+
+    def reform(self, ack: Ack) -> EpochRecord:
+        """Acknowledge the failed epoch and wait (bounded) for the next one; adopt it.
+
+        Raises :class:`Evicted` when this replica is not in the new members, and
+        :class:`CoordinatorLost` when no record comes within ``reform_timeout_s``.
+        """
+        ...
