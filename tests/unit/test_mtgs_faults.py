@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -43,6 +47,67 @@ def test_parse_rejects_bad_items_with_the_syntax(text: str, fragment: str) -> No
     with pytest.raises(ConfigError) as info:
         FaultSchedule.parse(text)
     assert fragment in str(info.value)
+
+
+def test_leave_and_join_parse_round_trip_and_script_the_members() -> None:
+    s = FaultSchedule.parse("leave@1:23, join@1:30 ,sigkill@2:5,join@2:9,leave@3:9")
+    assert s.faults[:2] == (Fault(FaultKind.LEAVE, 1, 23), Fault(FaultKind.JOIN, 1, 30))
+    assert FaultSchedule.parse(s.spec()) == s
+    assert s.spec() == "leave@1:23,join@1:30,sigkill@2:5,join@2:9,leave@3:9"
+    assert FaultKind.LEAVE.scripts_membership and not FaultKind.SIGKILL.scripts_membership
+    # leave@R:S: S is the first step without R; join@R:S: S is the first step with R again.
+    assert [s.members_at(step, 4) for step in (1, 8, 9, 22, 23, 29, 30)] == [
+        (0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2), (0, 1, 2), (0, 2), (0, 2), (0, 1, 2),
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match="names replica 3 but the job has 3 replica groups"):
+        s.members_at(10, 3)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("leave@1:3*", "leave@1:3* cannot be persistent: a replica leaves or joins once"),
+        (
+            "join@1:5",
+            "join@1:5: replica 1 is a member at step 5, so it cannot join; script its "
+            "departure first, e.g. 'leave@1:4,join@1:5'",
+        ),
+        ("leave@1:5,join@1:5", "join@1:5 must be at a step after leave@1:5"),
+        ("leave@2:5,join@2:4", "join@2:4: replica 2 is a member at step 4, so it cannot join"),
+        (
+            "leave@1:3,leave@1:6",
+            "leave@1:6: replica 1 already left at leave@1:3; script 'join@1:S' between them",
+        ),
+        ("leave@1:3,join@1:6,join@1:8", "join@1:8: replica 1 is a member at step 8"),
+        ("leave@x:3", "bad fault 'leave@x:3': expected KIND@RANK:STEP"),
+    ],
+)
+def test_bad_membership_scripts_are_refused_with_the_fix(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        FaultSchedule.parse(text)
+    assert fragment in str(info.value)
+
+
+def test_live_kill_points_fire_by_name_or_for_one_step() -> None:
+    from lm_resiliency._killpoints import KILL_ENV, LIVE_KILL_POINTS
+
+    assert len(set(LIVE_KILL_POINTS)) == 7 and "live.bucket_allreduce" in LIVE_KILL_POINTS
+    code = (
+        "from lm_resiliency._killpoints import kill_point\n"
+        "for s in (1, 2, 3):\n"
+        "    print('step', s, flush=True)\n"
+        "    kill_point('live.vote', step=s)\n"
+    )
+    for target, steps, rc in (("live.vote@2", 2, -9), ("live.vote", 1, -9), ("live.vote@9", 3, 0)):
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            check=False,
+            env={**os.environ, KILL_ENV: target},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (run.returncode, run.stdout.split()[1::2][-1]) == (rc, str(steps)), target
 
 
 def test_one_shot_faults_hit_the_first_attempt_only_persistent_every_attempt() -> None:

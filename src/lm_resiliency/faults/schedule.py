@@ -5,6 +5,13 @@ with a trailing ``*`` for a persistent fault (every attempt of that step, so
 retries fail too); without it the fault fires once, on the first attempt::
 
     nan_grad@1:3, optimizer_exception@0:5*, sigkill@1:7
+
+Two kinds script a membership instead of a fault (live membership, docs/live-membership.md §8):
+``leave@R:S`` (replica ``R`` leaves cleanly before step ``S``) and ``join@R:S`` (``R`` is admitted
+so that ``S`` is the first step it computes). For them the number before the colon is a replica
+id, they fire once (no ``*``), and a join needs an earlier departure of the same replica::
+
+    leave@1:23, join@1:30
 """
 
 from __future__ import annotations
@@ -39,6 +46,20 @@ class FaultKind(enum.Enum):
     """The process kills itself with SIGKILL in the middle of the backward pass."""
     SIGSTOP = "sigstop"
     """The process stops itself with SIGSTOP (a hang) in the middle of the backward pass."""
+    LEAVE = "leave"
+    """Replica ``rank`` leaves the membership cleanly before step ``step`` (live membership)."""
+    JOIN = "join"
+    """Replica ``rank`` is admitted with ``step`` as its first step (live membership)."""
+
+    @property
+    def scripts_membership(self) -> bool:
+        """Whether this kind scripts a membership change (its number is a replica id)."""
+        return self in _MEMBERSHIP
+
+
+_MEMBERSHIP = frozenset({FaultKind.LEAVE, FaultKind.JOIN})
+# Faults after which a replica is gone and may be scripted to join again.
+_DEPARTURES = frozenset({FaultKind.LEAVE, FaultKind.SIGKILL, FaultKind.SIGSTOP})
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,11 @@ class Fault:
             raise ConfigError(
                 f"fault {self.kind.value}: rank={self.rank} must be >= 0 and step={self.step} >= 1"
             )
+        if self.persistent and self.kind.scripts_membership:
+            raise ConfigError(
+                f"{self.kind.value}@{self.rank}:{self.step}* cannot be persistent: a replica "
+                f"leaves or joins once; drop the '*'"
+            )
 
     def hits(self, rank: int, step: int, attempt: int) -> bool:
         """Whether this fault fires for ``rank`` at ``step`` on attempt ``attempt`` (0-based)."""
@@ -77,6 +103,9 @@ class FaultSchedule:
     """An ordered set of :class:`Fault`; empty means no fault."""
 
     faults: tuple[Fault, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_membership_script(self.faults)
 
     @classmethod
     def parse(cls, text: str | None) -> FaultSchedule:
@@ -122,3 +151,58 @@ class FaultSchedule:
         """The faults of ``kinds`` that fire for ``(rank, step, attempt)``."""
         wanted = set(kinds)
         return [f for f in self.faults if f.kind in wanted and f.hits(rank, step, attempt)]
+
+    def members_at(self, step: int, replicas: int) -> tuple[int, ...]:
+        """The replica ids computing ``step`` under the scripted ``leave``/``join`` items.
+
+        Every replica ``0..replicas-1`` is a member at step 1; ``leave@R:S`` removes ``R`` from
+        step ``S`` on and ``join@R:S`` adds it back from ``S`` on. Other faults do not count (a
+        kill's effect is what the run records). Raises ``ConfigError`` for a scripted replica
+        id outside ``0..replicas-1``.
+        """
+        members = set(range(replicas))
+        for f in sorted(self.faults, key=lambda f: f.step):
+            if not f.kind.scripts_membership:
+                continue
+            if f.rank >= replicas:
+                raise ConfigError(
+                    f"{f.spec()} names replica {f.rank} but the job has {replicas} replica "
+                    f"groups (0..{replicas - 1})"
+                )
+            if f.step <= step:
+                (members.discard if f.kind is FaultKind.LEAVE else members.add)(f.rank)
+        return tuple(sorted(members))
+
+
+def _check_membership_script(faults: Iterable[Fault]) -> None:
+    """A replica leaves only while it is a member and joins only after it left (or died)."""
+    by_replica: dict[int, list[Fault]] = {}
+    for f in faults:
+        if f.kind in _DEPARTURES or f.kind is FaultKind.JOIN:
+            by_replica.setdefault(f.rank, []).append(f)
+    for replica, items in by_replica.items():
+        # At one step a departure comes before a join (the join must be at a later step).
+        order = sorted(items, key=lambda f: (f.step, f.kind is FaultKind.JOIN))
+        gone: Fault | None = None
+        for f in order:
+            if f.kind is FaultKind.JOIN:
+                if gone is None:
+                    raise ConfigError(
+                        f"{f.spec()}: replica {replica} is a member at step {f.step}, so it "
+                        f"cannot join; script its departure first, e.g. 'leave@{replica}:"
+                        f"{max(1, f.step - 1)},{f.spec()}'"
+                    )
+                if f.step <= gone.step:
+                    raise ConfigError(
+                        f"{f.spec()} must be at a step after {gone.spec()} (a replica that "
+                        f"leaves before step {gone.step} can join at step {gone.step + 1} "
+                        "at the earliest)"
+                    )
+                gone = None
+            elif f.kind is FaultKind.LEAVE and gone is not None:
+                raise ConfigError(
+                    f"{f.spec()}: replica {replica} already left at {gone.spec()}; script "
+                    f"'join@{replica}:S' between them"
+                )
+            elif gone is None:
+                gone = f
