@@ -19,7 +19,11 @@ _COMMANDS = (
     "inspect",
     "clean",
     "train",
+    "launch",
 )
+# Subcommands that parse their own command line, because they pass part of it through
+# untouched (``launch``: torchrun's arguments and the training command after ``--``).
+_PASSTHROUGH = ("launch",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASSTHROUGH:
+        module = importlib.import_module(f"lm_resiliency.cli.{argv[0]}")
+        return int(module.main(argv[1:]))
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

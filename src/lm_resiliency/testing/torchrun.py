@@ -28,10 +28,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from lm_resiliency._proctree import descendants as _descendants
+from lm_resiliency._proctree import signal_all as _signal_all
 
 __all__ = [
     "CompletedRun",
@@ -339,30 +341,3 @@ def _read(path: Path) -> str:
         return path.read_bytes().decode(errors="replace")
     except FileNotFoundError:
         return ""
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue  # exited while we looked
-        # The command name is parenthesized and may contain spaces; ppid follows it.
-        fields = text[text.rfind(")") + 2 :].split()
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-    # Give signalled processes a moment to be reaped before callers look again.
-    time.sleep(0.05)
