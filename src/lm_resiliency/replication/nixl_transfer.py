@@ -117,6 +117,7 @@ class NixlTransfer:
         self.timeout_s = float(timeout_s)
         self._store = store
         self._namespace = namespace
+        self._abandoned: list[torch.Tensor] = []  # arenas of failed reads (see _read)
         self.agent_name = f"lmr-{run_id}-rank{rank}-{os.getpid()}-{next(_instances)}"
         self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=[backend]))
         if backend not in self._agent.backends:
@@ -231,9 +232,12 @@ class NixlTransfer:
         running = ChunkCrc(crc_chunk, key.total_bytes)
         try:
             self._read_chunks(arena, int(offer["address"]), remote, running, at)
-        finally:
-            agent.deregister_memory(local)
-            agent.remove_remote_agent(remote)
+        except BaseException:
+            # A READ may still be in flight into the arena: never free or deregister it.
+            self._abandoned.append(arena)
+            raise
+        agent.deregister_memory(local)
+        agent.remove_remote_agent(remote)
         bad = mismatched(running.digests(), crcs)
         if bad:
             raise IntegrityError(
@@ -291,11 +295,9 @@ class NixlTransfer:
             while pending:
                 retire()
         finally:
-            for handle, *_ in pending:  # after a failure: settle what is still posted
-                try:
-                    agent.release_xfer_handle(handle)
-                except Exception:  # an in-flight handle may refuse; nothing to add
-                    continue
+            # After a failure the posted READs are left to NIXL (releasing an in-flight
+            # handle is refused); _read keeps their destination alive.
+            pending.clear()
 
     def _prefix(self, key: TransferKey) -> str:
         return f"{self._namespace}/{self.run_id}/{key.name}/step-{key.step}/{key.src}-{key.dst}"
