@@ -102,6 +102,13 @@ class ReplicationError(ResiliencyError):
     """A peer exchange failed, timed out, or carried a mismatched header."""
 
 
+class TransferUnsupported(ReplicationError):
+    """A transfer backend cannot serve this request (not installed, not host memory, ...).
+
+    Nothing falls back on its own: the message names the backend to choose instead.
+    """
+
+
 class CollectiveTimeout(ResiliencyError):
     """A bounded distributed wait expired; the message names rank, peer and operation."""
 

@@ -1,11 +1,12 @@
-"""Manager-driven transfers: send a named checkpoint from one rank to a partner.
+"""Keyed transfers: send a named checkpoint from one rank to another.
 
 A transfer is bound to a :class:`TransferKey`: a name chosen by the manager
-(e.g. ``"gemini/step-20/owner-1"``), the two endpoints, and the tensor metadata
-(layout digest and byte count). The sender puts the key into the header and a
-CRC-32C per ``crc_chunk_bytes`` chunk into the trailer that follows the bytes;
-the receiver refuses a header whose key names other endpoints or another layout
-*before* accepting any bytes, and checks every chunk against the trailer.
+(e.g. ``"gemini/step-20/owner-1"``), the two endpoints (source and destination
+rank), the step, and the tensor metadata (layout digest and byte count). The
+sender puts the key into the header and a CRC-32C per ``crc_chunk_bytes`` chunk
+into the trailer that follows the bytes; the receiver refuses a header whose key
+names other endpoints or another layout *before* accepting any bytes, and checks
+every chunk against the trailer.
 
 Checksums are computed while the bytes move, never in a pass of their own: the
 sender checksums each chunk just before posting it (while earlier chunks are in
@@ -17,12 +18,16 @@ are read and sent chunk by chunk (:class:`ArenaReader`), never staged whole.
 Call order: the two endpoints call :func:`send_checkpoint` and
 :func:`recv_checkpoint` with equal keys at the same time (both endpoints are
 required; there is no one-sided fallback). Transport and waits are those of the
-:class:`~lm_resiliency.replication.ReplicationChannel` (every wait bounded by
-its ``timeout_s``).
+channel: a :class:`~lm_resiliency.replication.ReplicationChannel` between
+replication partners (recovery), or the two-rank edge that
+:class:`~lm_resiliency.replication.torch_transfer.TorchTransfer` builds between
+any two ranks (manager-driven replacement); every wait is bounded by its
+``timeout_s``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,8 +38,45 @@ from lm_resiliency.capture.arena import allocate_arena
 from lm_resiliency.checksums import ChunkCrc, crc_count, mismatched, pack_crcs, unpack_crcs
 from lm_resiliency.errors import IntegrityError, ReplicationError
 from lm_resiliency.knobs import CRC_CHUNK_BYTES, READ_AHEAD_CHUNKS
+from lm_resiliency.replication._link import Allocator, ChunkSink, ChunkSource, Validator
 from lm_resiliency.replication._protocol import Received
-from lm_resiliency.replication.transport import ReplicationChannel
+
+
+class TransferChannel(Protocol):
+    """What a keyed transfer runs on: one-direction sends and receives between two ranks.
+
+    :class:`~lm_resiliency.replication.ReplicationChannel` is one (between partners).
+    """
+
+    rank: int
+
+    @property
+    def chunk_bytes(self) -> int: ...
+
+    @property
+    def max_in_flight(self) -> int: ...
+
+    def send(
+        self,
+        peer: int,
+        *,
+        step: int,
+        header: dict[str, Any],
+        arena: torch.Tensor | None = None,
+        source: ChunkSource | None = None,
+        trailer: Callable[[], bytes] | None = None,
+    ) -> None: ...
+
+    def recv(
+        self,
+        peer: int,
+        *,
+        step: int,
+        expect_owner: int,
+        recv_alloc: Allocator,
+        validate: Validator | None = None,
+        sink: ChunkSink | None = None,
+    ) -> Received: ...
 
 
 class ArenaReader(Protocol):
@@ -52,7 +94,16 @@ class ArenaReader(Protocol):
 
 @dataclass(frozen=True)
 class TransferKey:
-    """Names one transfer and binds it to its endpoints and tensor metadata."""
+    """Names one transfer and binds it to its endpoints, step and tensor metadata.
+
+    ``name`` is the manager's handle for the request (unique per request, e.g.
+    ``"replace-rank-3/attempt-1"``); ``src`` and ``dst`` are the job ranks that
+    send and receive; ``step`` is the checkpoint's step; ``layout_digest`` and
+    ``total_bytes`` describe the arena (:class:`~lm_resiliency.capture.layout.Layout`).
+    Both endpoints must be given equal keys: a receiver refuses a transfer whose
+    key differs in any field before any arena byte is accepted. Raises
+    ``ValueError`` naming the field for a malformed key.
+    """
 
     name: str
     src: int
@@ -60,6 +111,28 @@ class TransferKey:
     step: int
     layout_digest: str
     total_bytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TransferKey name={self.name!r} must be a non-empty string")
+        for field in ("src", "dst", "step", "total_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"TransferKey {field}={value!r} must be an integer >= 0")
+        if self.src == self.dst:
+            raise ValueError(
+                f"TransferKey {self.name!r}: src and dst are both rank {self.src}; "
+                "a transfer needs two different ranks"
+            )
+        if not isinstance(self.layout_digest, str) or not self.layout_digest:
+            raise ValueError(
+                f"TransferKey layout_digest={self.layout_digest!r} must be the layout's digest"
+            )
+
+    @property
+    def describe(self) -> str:
+        """``"'name' (rank src -> rank dst, step N)"`` for messages."""
+        return f"{self.name!r} (rank {self.src} -> rank {self.dst}, step {self.step})"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -72,21 +145,34 @@ class TransferKey:
         }
 
 
+def check_endpoint(rank: int, key: TransferKey, expected: int, verb: str, other: str) -> None:
+    """Raise unless ``key`` is a :class:`TransferKey` and this ``rank`` is its ``expected`` end."""
+    if not isinstance(key, TransferKey):
+        raise TypeError(f"key must be a TransferKey, got {type(key).__name__}")
+    if rank != expected:
+        raise ValueError(
+            f"transfer {key.describe}: {verb}() runs on rank {expected}, not on this rank "
+            f"{rank}; call {other}() here if this rank is the other endpoint"
+        )
+
+
 def send_checkpoint(
-    channel: ReplicationChannel,
+    channel: TransferChannel,
     key: TransferKey,
     *,
     header: dict[str, Any],
     arena: torch.Tensor | None = None,
     reader: ArenaReader | None = None,
     slot_crcs: tuple[int, ...] | None = None,
+    crc_chunk_bytes: int = CRC_CHUNK_BYTES,
 ) -> None:
     """Send a checkpoint (described by ``header``) to ``key.dst`` under ``key``.
 
     ``slot_crcs`` (with ``arena``): the arena's checksums per ``knobs.CRC_CHUNK_BYTES``
     as recorded when it was filled (a memory slot's); they are sent instead of
     checksums of the bytes as they are now, so damage since then is caught by
-    the receiver.
+    the receiver. Without recorded checksums, one CRC-32C per ``crc_chunk_bytes``
+    is computed as the bytes go out.
 
     The bytes come from ``arena`` or from ``reader`` (read on a helper thread
     ``knobs.READ_AHEAD_CHUNKS`` chunks ahead of the transport, into a ring of
@@ -107,7 +193,7 @@ def send_checkpoint(
     known = reader.checksums() if reader is not None else None
     if slot_crcs is not None and arena is not None:
         known = (CRC_CHUNK_BYTES, list(slot_crcs))
-    crc_chunk, crcs = known if known is not None else (CRC_CHUNK_BYTES, None)
+    crc_chunk, crcs = known if known is not None else (crc_chunk_bytes, None)
     running = ChunkCrc(crc_chunk, total) if crcs is None else None
     read_piece = _ReadAhead(reader, channel, total) if reader is not None else None
 
@@ -153,7 +239,7 @@ class _ReadAhead:
     disk keeps working while the network does.
     """
 
-    def __init__(self, reader: ArenaReader, channel: ReplicationChannel, total: int) -> None:
+    def __init__(self, reader: ArenaReader, channel: TransferChannel, total: int) -> None:
         self._reader = reader
         self._chunk = channel.chunk_bytes
         self._total = total
@@ -187,7 +273,7 @@ class _ReadAhead:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def recv_checkpoint(channel: ReplicationChannel, key: TransferKey, *, owner_rank: int) -> Received:
+def recv_checkpoint(channel: TransferChannel, key: TransferKey, *, owner_rank: int) -> Received:
     """Receive the checkpoint named by ``key`` from ``key.src`` into a fresh arena.
 
     Refuses (before any bytes) a header whose transfer key differs from ``key``;
@@ -204,7 +290,10 @@ def recv_checkpoint(channel: ReplicationChannel, key: TransferKey, *, owner_rank
     def validate(header: dict[str, Any]) -> None:
         got = header.get("transfer")
         if got != key.to_json():
-            raise ReplicationError(f"transfer key mismatch: expected {key.to_json()}, got {got}")
+            raise ReplicationError(
+                f"transfer key mismatch: rank {channel.rank} expected {key.to_json()}, "
+                f"peer {key.src} sent {got}; give both endpoints the same TransferKey"
+            )
         size = header.get("crc_chunk_bytes")
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ReplicationError(f"transfer {key.name!r} carries no per-chunk checksums")
