@@ -74,7 +74,7 @@ class LiveConfig:
 
     def __post_init__(self) -> None:
         validate(self, _RULES, prefix="LiveConfig.")
-        if self.lease_s < 3 * self.heartbeat_s:
+        if self.lease_s < 3 * self.heartbeat_s * (1 - 1e-9):  # 3 x 0.2 is 0.6000000000000001
             raise ConfigError(
                 f"LiveConfig.lease_s={self.lease_s!r} must be >= 3 x heartbeat_s="
                 f"{self.heartbeat_s!r} (a lease must survive two late heartbeats); raise lease_s "
