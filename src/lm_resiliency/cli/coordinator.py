@@ -56,14 +56,36 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--port", type=int, default=29600, help="store port; 0 picks a free one (%(default)s)"
     )
-    parser.add_argument("--run-id", required=True, help="the run id (key namespace)")
-    parser.add_argument("--replica-groups", type=int, required=True, metavar="R")
-    parser.add_argument("--nproc-per-group", type=int, required=True, metavar="N")
+    parser.add_argument("--run-id", required=True, help="the run id (LMR_LIVE_RUN of the workers)")
+    parser.add_argument(
+        "--replica-groups",
+        type=int,
+        required=True,
+        metavar="R",
+        help="replica groups of a full world",
+    )
+    parser.add_argument(
+        "--nproc-per-group", type=int, required=True, metavar="N", help="ranks per replica group"
+    )
     parser.add_argument("--ready-file", type=Path, help="written atomically once listening")
-    parser.add_argument("--generation", type=int, default=0, help="written to the coord key")
-    parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument(
+        "--generation", type=int, default=0, help="coordinator restarts so far (%(default)s)"
+    )
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="fewer surviving replicas: every worker falls back to a whole-job restart",
+    )
+    defaults = LiveConfig()
     for name in _TIMINGS:
-        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=None)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=float,
+            default=None,
+            metavar="S",
+            help=f"LiveConfig.{name} in seconds (default {getattr(defaults, name):g})",
+        )
     parser.set_defaults(func=run)
 
 
