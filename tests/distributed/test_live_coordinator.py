@@ -257,3 +257,15 @@ def test_a_killed_coordinator_makes_every_worker_fall_back(live_job) -> None:
         assert lost["kind"] == "CoordinatorLost"
         assert "falling back to whole-job restart" in lost["message"]
         print(f"\nworker {r} raised CoordinatorLost {lost['t'] - t_kill:.2f} s after the kill")
+
+
+@pytest.mark.timeout(240)
+def test_a_silent_coordinator_makes_every_worker_fall_back(live_job) -> None:
+    # SIGSTOP: its sockets stay open, so only the silence of coord/beat can tell.
+    job = live_job(2, 1, {**_CALM, "coordinator_timeout_s": 3.0})
+    os.kill(job.coordinator.pid, signal.SIGSTOP)
+    for r in (0, 1):
+        assert job.exit_code(r, 0) == 75
+        (lost,) = job.events(r, 0, "lost")
+        assert lost["kind"] == "CoordinatorLost"
+        assert "silent" in lost["message"]

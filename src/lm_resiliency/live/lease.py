@@ -88,6 +88,7 @@ class Lease:
         self._lost: str | None = None
         self._evicted: EpochRecord | None = None
         self._error: BaseException | None = None
+        self._beat_since: float | None = None
         self._stop = threading.Event()
         self.beats = 0
         self._thread = threading.Thread(
@@ -105,7 +106,8 @@ class Lease:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+            # Bounded: a request to a stopped coordinator never returns (the thread is a daemon).
+            self._thread.join(self._config.coordinator_timeout_s + self._config.heartbeat_s)
 
     # -- what the caller's thread reads and sets -----------------------------------------
 
@@ -134,6 +136,14 @@ class Lease:
     def flags(self) -> tuple[str | None, EpochRecord | None, BaseException | None]:
         """(lost, evicted, error): what the caller raises at its next call."""
         with self._lock:
+            since = self._beat_since
+            if since is not None and self._lost is None:
+                stuck = time.monotonic() - since
+                if stuck > self._config.coordinator_timeout_s:
+                    self._lost = (
+                        f"coordinator {self._id.address} silent (a heartbeat request has not "
+                        f"returned for {stuck:.1f} s)"
+                    )
             return self._lost, self._evicted, self._error
 
     def mark_lost(self, why: str) -> None:
@@ -149,7 +159,11 @@ class Lease:
             last_beat: bytes | None = None
             last_change = time.monotonic()
             while not self._stop.is_set():
+                with self._lock:
+                    self._beat_since = time.monotonic()
                 last_beat, last_change = self._beat(store, last_beat, last_change)
+                with self._lock:
+                    self._beat_since = None
                 self._stop.wait(self._config.heartbeat_s)
         except StoreErrors as exc:
             self.mark_lost(f"coordinator {self._id.address} unreachable ({brief(exc)})")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import threading
 import time
 import uuid
@@ -31,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch.distributed as dist
 
@@ -90,6 +91,53 @@ class Change:
         )
 
 
+class _Requester:
+    """One daemon thread that runs the caller's store requests on its own client.
+
+    A c10d request to a coordinator that is alive but stopped (SIGSTOP, a wedged host) never
+    returns, whatever the store's timeout (measured on torch 2.13: ``check``, ``get``,
+    ``add``, ``compare_set`` all hang). The caller waits for the answer at most
+    ``timeout_s``; a request that does not return leaves this thread stuck, and the
+    membership lost.
+    """
+
+    def __init__(self, factory: Callable[[], dist.Store], name: str) -> None:
+        self._factory = factory
+        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, request: Callable[[dist.Store], _T], timeout_s: float) -> _T:
+        item = _Request(request)
+        self._queue.put(item)
+        if not item.done.wait(timeout_s):
+            raise TimeoutError(f"a store request did not return within {timeout_s:g} s")
+        if item.error is not None:
+            raise item.error
+        return cast(_T, item.value)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        store: dist.Store | None = None
+        while (item := self._queue.get()) is not None:
+            try:
+                store = store or self._factory()
+                item.value = item.fn(store)
+            except BaseException as exc:  # handed to the caller's thread
+                item.error = exc
+            item.done.set()
+
+
+class _Request:
+    def __init__(self, fn: Callable[[dist.Store], object]) -> None:
+        self.fn = fn
+        self.value: object = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
 class Membership:
     """One worker rank's membership: registration, lease, failure flag, reform.
 
@@ -128,6 +176,7 @@ class Membership:
         self._closed = False
         self._liveness: LivenessClient | None = None
         self._lease: Lease | None = None
+        self._requests = _Requester(self.store, f"lmr-live-requests-r{replica}g{group_rank}")
         try:
             self._register()
         except BaseException:
@@ -189,6 +238,8 @@ class Membership:
         return self._members.index(self._replica)
 
     def store(self) -> dist.Store:
+        """This thread's own client (note: a request to a stopped coordinator never returns;
+        the membership's own requests are bounded through a helper thread)."""
         client: dist.Store | None = getattr(self._local, "store", None)
         if client is None:
             try:
@@ -274,6 +325,7 @@ class Membership:
             self._lease.stop()
         if self._liveness is not None:
             self._liveness.close()
+        self._requests.close()
         self._local = threading.local()
 
     def __enter__(self) -> Membership:
@@ -296,7 +348,6 @@ class Membership:
     def _register(self) -> None:
         keys = self._keys
         deadline = time.monotonic() + self.config.join_timeout_s
-        store = self.store()
         while not self._ask(lambda s: s.check([keys.coord])):
             self._wait_slice(deadline, "the coordinator's record")
         coord = decode(CoordRecord, self._ask(lambda s: s.get(keys.coord)), key=keys.coord)
@@ -319,7 +370,8 @@ class Membership:
             epoch=0,
         )
         # The first heartbeat is written before the coordinator can count this rank.
-        self._lease._beat(store, None, time.monotonic())
+        lease = self._lease
+        self._ask(lambda s: lease._beat(s, None, time.monotonic()))
         self._lease.start()
         first = keys.epoch_record(0)
         while not self._ask(lambda s: s.check([first])):
@@ -376,7 +428,14 @@ class Membership:
         """Run one request on this thread's client; a store error means the coordinator is
         gone (every request is bounded by ``coordinator_timeout_s``)."""
         try:
-            return request(self.store())
+            return self._requests.call(request, self.config.coordinator_timeout_s)
+        except TimeoutError as exc:
+            why = f"coordinator {self._address} silent ({exc})"
+            if self._lease is not None:
+                self._lease.mark_lost(why)
+            raise CoordinatorLost(
+                f"live membership: {why}; falling back to whole-job restart with memory recovery"
+            ) from None
         except StoreErrors as exc:
             if self._lease is not None:
                 self._lease.mark_lost(f"coordinator {self._address} unreachable ({brief(exc)})")
