@@ -20,6 +20,7 @@ _COMMANDS = (
     "clean",
     "train",
     "launch",
+    "coordinator",
 )
 # Subcommands that parse their own command line, because they pass part of it through
 # untouched (``launch``: torchrun's arguments and the training command after ``--``).

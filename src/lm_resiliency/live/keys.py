@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -40,6 +42,7 @@ __all__ = [
     "Keys",
     "decode",
     "encode",
+    "encode_text",
 ]
 
 
@@ -120,11 +123,16 @@ class EpochRecord:
     heal: dict[str, int] | None = None
     """``{"joiner": r, "donor": d, "step": h}`` for an admission."""
     incarnations: dict[str, str] = field(default_factory=dict)
-    """Replica id (as a string key) to the member incarnation admitted (fencing)."""
+    """``"<replica>/<group rank>"`` of every member rank to the incarnation admitted
+    (fencing: a rank whose incarnation is not here is not a member)."""
 
     @property
     def effective_step(self) -> int:
         return self.resume_step + 1
+
+    def admits(self, replica: int, group_rank: int, inc: str) -> bool:
+        """Whether incarnation ``inc`` of rank ``group_rank`` of ``replica`` is a member."""
+        return replica in self.members and self.incarnations.get(f"{replica}/{group_rank}") == inc
 
 
 @dataclass(frozen=True)
@@ -141,6 +149,8 @@ class Failure:
     """``"r<replica>g<group rank>"`` or ``"coordinator"``."""
     reason: str
     t: float
+    inc: str = ""
+    """The writer's incarnation (empty for the coordinator); a non-member's is ignored."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,11 @@ def encode(record: CoordRecord | EpochRecord | Heartbeat | Failure | Ack | Join)
     return json.dumps(dataclasses.asdict(record), separators=(",", ":"), allow_nan=False).encode()
 
 
+def encode_text(record: CoordRecord | EpochRecord | Heartbeat | Failure | Ack | Join) -> str:
+    """:func:`encode` as ``str`` (ASCII JSON), the type ``Store.set``/``compare_set`` declare."""
+    return encode(record).decode("ascii")
+
+
 def decode(kind: type[_Record], raw: bytes, *, key: str) -> _Record:
     """Parse ``raw`` (read from ``key``) as a ``kind``; ``ValueError`` names the key and field."""
     try:
@@ -191,6 +206,45 @@ def decode(kind: type[_Record], raw: bytes, *, key: str) -> _Record:
             raise ValueError(f"live record {key!r}: members must be a list of replica ids")
         doc["members"] = tuple(doc["members"])
     try:
-        return kind(**doc)
+        record = kind(**doc)
     except TypeError as exc:
         raise ValueError(f"live record {key!r} is not a {kind.__name__}: {exc}") from None
+    hints = _hints(kind)
+    for f in dataclasses.fields(kind):
+        value = getattr(record, f.name)
+        if not _is(value, hints[f.name]):
+            raise ValueError(
+                f"live record {key!r}: {kind.__name__}.{f.name}={value!r} is not {hints[f.name]}"
+            )
+    return record
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(kind: type) -> dict[str, Any]:
+    if kind not in _HINTS:
+        _HINTS[kind] = typing.get_type_hints(kind)
+    return _HINTS[kind]
+
+
+def _is(value: Any, hint: Any) -> bool:
+    """Whether a decoded JSON value fits a record field's annotation (the few kinds used)."""
+    if isinstance(hint, types.UnionType):
+        return any(_is(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:  # tuple[int, ...]
+        return isinstance(value, tuple) and all(_is(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _is(k, args[0]) and _is(v, args[1]) for k, v in value.items()
+        )
+    raise AssertionError(f"record annotation {hint!r} is not supported")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from lm_resiliency.live.keys import Ack, EpochRecord, Keys
 
-__all__ = ["CoordinatorLost", "EpochFailed", "Evicted", "MembershipView"]
+__all__ = ["BelowMinReplicas", "CoordinatorLost", "EpochFailed", "Evicted", "MembershipView"]
 
 
 class EpochFailed(RuntimeError):
@@ -96,3 +96,10 @@ class MembershipView(Protocol):
         :class:`CoordinatorLost` when no record comes within ``reform_timeout_s``.
         """
         ...
+
+
+class BelowMinReplicas(CoordinatorLost):
+    """The new epoch has no members: fewer than ``min_replicas`` replicas survived.
+
+    Like a lost coordinator, the job falls back to a whole-job restart with memory recovery.
+    """

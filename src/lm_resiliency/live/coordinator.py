@@ -1,0 +1,414 @@
+"""The membership coordinator: its state and its decision loop (docs/live-membership.md §2.2-2.3).
+
+One small process outside every replica group owns the ``TCPStore`` and runs
+:meth:`Coordinator.run` on one thread (it is the only user of its store client). Each
+iteration waits on the liveness sockets for at most ``decision_tick_s`` (an EOF wakes it at
+once), then:
+
+1. ``add``-s ``coord/beat`` (the workers' sign that the coordinator lives);
+2. before epoch 0: waits until all R x N ranks have connected, then publishes ``epoch/0``;
+3. reads the members' heartbeats (one ``multi_get``), and starts a change on the first of a
+   liveness EOF, a ``fail/<E>`` key, or an expired lease;
+4. during a change: writes ``fail/<E>`` if absent, collects ``ack/<E>/<r>/<g>`` until every
+   member rank has acked or is dead (EOF, or a heartbeat older than ``stale_s``), capped at
+   ``lease_s``; then publishes ``epoch/<E+1>`` and ``epoch``;
+5. registers joiners (``join/<r>/<g>``); an admission is scheduled once all N ranks of a
+   replica joined (:meth:`Coordinator.schedule_admission`, the heal's seam).
+
+Fencing: heartbeats, acks and ``fail/`` keys of an incarnation that is not a member of the
+current epoch, or of an older epoch, are ignored.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from lm_resiliency.live.config import LiveConfig
+from lm_resiliency.live.keys import (
+    Ack,
+    CoordRecord,
+    EpochRecord,
+    Failure,
+    Heartbeat,
+    Join,
+    Keys,
+    decode,
+    encode_text,
+)
+from lm_resiliency.live.liveness import Gone, Hello, LivenessServer
+
+__all__ = ["Coordinator", "Decision", "Joiner"]
+
+_log = logging.getLogger(__name__)
+
+Rank = tuple[int, int]
+"""(replica, group rank)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One published membership change (an entry of the coordinator's history)."""
+
+    epoch: int
+    members: tuple[int, ...]
+    reason: str
+    cause: str
+    t_detect: float
+    """Wall-clock time (``time.time()``) the coordinator noticed the loss."""
+    t_publish: float
+    resume_step: int
+
+
+@dataclass
+class Joiner:
+    """A replica registering to join (a restarted group, or a spare): its ranks' records."""
+
+    replica: int
+    ranks: dict[int, Join] = field(default_factory=dict)
+    registered_at: float = 0.0
+    scheduled: bool = False
+
+
+@dataclass
+class _Member:
+    inc: str
+    pid: int
+    seen: float
+    """``time.monotonic()`` of the last heartbeat accepted (or of the hello)."""
+    raw: bytes = b""
+    committed: int = 0
+    dead: str = ""
+    """Why this rank is known dead (empty while it lives)."""
+
+
+@dataclass
+class _Pending:
+    """A change being decided: the causes so far and the acks collected."""
+
+    t_detect: float
+    deadline: float
+    causes: list[str]
+    leave: bool = False
+    acks: dict[Rank, Ack] = field(default_factory=dict)
+
+
+class Coordinator:
+    """The state of the membership and the decision loop; one thread calls ``run``/``step``."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        keys: Keys,
+        *,
+        replicas: int,
+        nproc_per_group: int,
+        config: LiveConfig,
+        generation: int = 0,
+        host: str = "",
+    ) -> None:
+        if replicas < 1 or nproc_per_group < 1:
+            raise ValueError(
+                f"replicas={replicas} and nproc_per_group={nproc_per_group} must be >= 1"
+            )
+        if config.min_replicas > replicas:
+            raise ValueError(
+                f"min_replicas={config.min_replicas} exceeds replicas={replicas}; the job "
+                f"could never run. Use min_replicas <= {replicas}"
+            )
+        self.store = store
+        self.keys = keys
+        self.replicas = replicas
+        self.nproc = nproc_per_group
+        self.config = config
+        self.generation = generation
+        self.liveness = LivenessServer(host)
+        self.epoch = -1
+        """The published epoch; -1 until every rank has registered."""
+        self.members: tuple[int, ...] = ()
+        self.history: list[Decision] = []
+        self.joiners: dict[int, Joiner] = {}
+        self._ranks: dict[Rank, _Member] = {}
+        self._registered: dict[Rank, Hello] = {}
+        self._pending: _Pending | None = None
+        self._ignored: set[tuple[str, str]] = set()
+        self._costs: collections.deque[float] = collections.deque(maxlen=100_000)
+        store.set(keys.coord, encode_text(CoordRecord(generation, os.getpid(), self.liveness.port)))
+        store.add(keys.beat, 1)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Run the decision loop until ``stop`` is set."""
+        while not stop.is_set():
+            self.step(self.config.decision_tick_s)
+
+    def step(self, wait_s: float) -> None:
+        """One iteration: wait up to ``wait_s`` on the liveness sockets, then decide."""
+        events = self.liveness.poll(wait_s)
+        t0 = time.perf_counter()
+        self.store.add(self.keys.beat, 1)
+        for event in events:
+            self._on_liveness(event)
+        if self.epoch < 0:
+            if len(self._registered) == self.replicas * self.nproc:
+                self._start()
+        elif self.members:
+            self._read_heartbeats()
+            self._check_failure_key()
+            self._register_joiners()
+            if self._pending is not None:
+                self._collect_acks()
+        self._costs.append(time.perf_counter() - t0)
+
+    def tick_costs_s(self) -> list[float]:
+        """The measured cost of each loop iteration (its wait on the sockets excluded)."""
+        return list(self._costs)
+
+    def close(self) -> None:
+        self.liveness.close()
+
+    # -- registration and epoch 0 --------------------------------------------------------
+
+    def _on_liveness(self, event: Hello | Gone) -> None:
+        rank = (event.replica, event.group_rank)
+        if isinstance(event, Hello):
+            if self.epoch < 0 and event.replica < self.replicas and event.group_rank < self.nproc:
+                self._registered[rank] = event
+            return
+        if self.epoch < 0:
+            if rank in self._registered and self._registered[rank].inc == event.inc:
+                del self._registered[rank]  # died before the start; its restart registers again
+            return
+        member = self._ranks.get(rank)
+        if member is not None and member.inc == event.inc and not member.dead:
+            member.dead = f"r{rank[0]}g{rank[1]} liveness EOF (pid {event.pid})"
+            self._begin(member.dead)
+        joiner = self.joiners.get(event.replica)
+        joined = joiner.ranks.get(event.group_rank) if joiner is not None else None
+        if joined is not None and joined.inc == event.inc:
+            _log.info("joiner r%dg%d disconnected; registration dropped", *rank)
+            del self.joiners[event.replica]
+
+    def _start(self) -> None:
+        now = time.monotonic()
+        self._ranks = {
+            rank: _Member(inc=h.inc, pid=h.pid, seen=now) for rank, h in self._registered.items()
+        }
+        self._registered.clear()
+        t = time.time()
+        self._publish(
+            EpochRecord(
+                epoch=0,
+                members=tuple(range(self.replicas)),
+                reason="start",
+                t_detect=t,
+                t_publish=t,
+                incarnations=self._incarnations(range(self.replicas)),
+            )
+        )
+
+    # -- detection -----------------------------------------------------------------------
+
+    def _read_heartbeats(self) -> None:
+        ranks = [r for r, m in self._ranks.items() if not m.dead]
+        if not ranks:
+            return
+        now = time.monotonic()
+        raws = self.store.multi_get([self.keys.heartbeat(*r) for r in ranks])
+        for rank, raw in zip(ranks, raws, strict=True):
+            member = self._ranks[rank]
+            if raw == member.raw:
+                continue
+            key = self.keys.heartbeat(*rank)
+            try:
+                hb = decode(Heartbeat, raw, key=key)
+            except ValueError as exc:
+                self._ignore(key, str(exc))
+                continue
+            if hb.inc != member.inc or hb.epoch < self.epoch - 1:
+                self._ignore(key, f"incarnation {hb.inc} at epoch {hb.epoch} is not a member")
+                continue
+            member.raw, member.seen, member.committed = raw, now, hb.committed
+        for rank in ranks:
+            member = self._ranks[rank]
+            silent = now - member.seen
+            if silent > self.config.lease_s:
+                member.dead = (
+                    f"r{rank[0]}g{rank[1]} lease expired (no heartbeat for {silent:.2f} s)"
+                )
+                self._begin(member.dead)
+
+    def _check_failure_key(self) -> None:
+        if self._pending is not None:
+            return
+        key = self.keys.failure(self.epoch)
+        if not self.store.check([key]):
+            return
+        try:
+            failure = decode(Failure, self.store.get(key), key=key)
+        except ValueError as exc:
+            self._begin(f"{key} unreadable ({exc})")
+            return
+        incs = {m.inc for m in self._ranks.values()}
+        if failure.by != "coordinator" and failure.inc not in incs:
+            self._ignore(key, f"written by {failure.by} incarnation {failure.inc!r}, not a member")
+            return
+        self._begin(f"fail/{self.epoch} by {failure.by}: {failure.reason}")
+        if failure.reason == "leave" and self._pending is not None:
+            self._pending.leave = True
+
+    def _begin(self, cause: str) -> None:
+        if self._pending is not None:
+            self._pending.causes.append(cause)
+            return
+        _log.info("epoch %d failed: %s", self.epoch, cause)
+        self._pending = _Pending(
+            t_detect=time.time(),
+            deadline=time.monotonic() + self.config.lease_s,
+            causes=[cause],
+        )
+        flag = encode_text(Failure(by="coordinator", reason=cause, t=time.time()))
+        self.store.compare_set(self.keys.failure(self.epoch), "", flag)
+
+    # -- agreement -----------------------------------------------------------------------
+
+    def _collect_acks(self) -> None:
+        pending = self._pending
+        assert pending is not None
+        now = time.monotonic()
+        waiting = False
+        for rank, member in self._ranks.items():
+            if rank in pending.acks or member.dead:
+                continue
+            key = self.keys.ack(self.epoch, *rank)
+            if self.store.check([key]):
+                try:
+                    ack = decode(Ack, self.store.get(key), key=key)
+                except ValueError as exc:
+                    self._ignore(key, str(exc))
+                    continue
+                if ack.inc == member.inc:
+                    pending.acks[rank] = ack
+                    continue
+                self._ignore(key, f"incarnation {ack.inc!r} is not a member")
+            if now - member.seen <= self.config.stale_s:
+                waiting = True  # alive and not acked yet
+        if waiting and now < pending.deadline:
+            return
+        self._decide(pending)
+
+    def _decide(self, pending: _Pending) -> None:
+        survivors = tuple(
+            r for r in self.members if all((r, g) in pending.acks for g in range(self.nproc))
+        )
+        resume = max(
+            (pending.acks[(r, g)].committed for r in survivors for g in range(self.nproc)),
+            default=0,
+        )
+        cause = "; ".join(pending.causes)
+        reason = "leave" if pending.leave else "lost"
+        if len(survivors) < self.config.min_replicas:
+            cause = (
+                f"{len(survivors)} replica(s) {list(survivors)} left of {self.replicas}, "
+                f"min_replicas={self.config.min_replicas}; {cause}"
+            )
+            survivors, reason = (), "below min_replicas"
+        self._pending = None
+        self._publish(
+            EpochRecord(
+                epoch=self.epoch + 1,
+                members=survivors,
+                reason=reason,
+                cause=cause,
+                resume_step=resume,
+                t_detect=pending.t_detect,
+                t_publish=time.time(),
+                incarnations=self._incarnations(survivors),
+            )
+        )
+
+    def _publish(self, record: EpochRecord) -> None:
+        # The record first, then the number: a worker that sees ``epoch`` can read the record.
+        self.store.set(self.keys.epoch_record(record.epoch), encode_text(record))
+        self.store.set(self.keys.epoch, str(record.epoch))
+        self.epoch, self.members = record.epoch, record.members
+        now = time.monotonic()
+        self._ranks = {
+            rank: _Member(inc=m.inc, pid=m.pid, seen=now, raw=m.raw, committed=m.committed)
+            for rank, m in self._ranks.items()
+            if rank[0] in record.members
+        }
+        self.history.append(
+            Decision(
+                epoch=record.epoch,
+                members=record.members,
+                reason=record.reason,
+                cause=record.cause,
+                t_detect=record.t_detect,
+                t_publish=record.t_publish,
+                resume_step=record.resume_step,
+            )
+        )
+        _log.info(
+            "epoch %d published: members %s, reason %r, resume_step %d, detect->publish %.1f ms%s",
+            record.epoch,
+            list(record.members),
+            record.reason,
+            record.resume_step,
+            (record.t_publish - record.t_detect) * 1e3,
+            f" ({record.cause})" if record.cause else "",
+        )
+
+    def _incarnations(self, replicas: object) -> dict[str, str]:
+        chosen = set(replicas)  # type: ignore[call-overload]
+        return {f"{r}/{g}": m.inc for (r, g), m in sorted(self._ranks.items()) if r in chosen}
+
+    # -- joiners -------------------------------------------------------------------------
+
+    def _register_joiners(self) -> None:
+        for r in range(self.replicas):
+            if r in self.members:
+                continue
+            for g in range(self.nproc):
+                key = self.keys.join(r, g)
+                if not self.store.check([key]):
+                    continue
+                raw = self.store.get(key)
+                try:
+                    join = decode(Join, raw, key=key)
+                except ValueError as exc:
+                    self._ignore(key, str(exc))
+                    continue
+                joiner = self.joiners.setdefault(r, Joiner(r, registered_at=time.time()))
+                if joiner.ranks.get(g) != join:
+                    joiner.ranks[g] = join
+                    _log.info("replica %d rank %d registered as joining (pid %d)", r, g, join.pid)
+            joiner_ = self.joiners.get(r)
+            if joiner_ is not None and len(joiner_.ranks) == self.nproc and not joiner_.scheduled:
+                joiner_.scheduled = True
+                self.schedule_admission(joiner_)
+
+    def schedule_admission(self, joiner: Joiner) -> None:
+        """All N ranks of ``joiner`` registered: schedule its heal and admission.
+
+        The seam of the heal (docs/live-membership.md §6.2): it will write ``epoch/<E+1>``
+        with ``reason="admit"`` and ``heal={joiner, donor, step}``. Not built yet: the joiner
+        stays registered and waits (bounded by its ``join_timeout_s``).
+        """
+        _log.info(
+            "replica %d is ready to join (all %d ranks registered); admission is not built yet",
+            joiner.replica,
+            self.nproc,
+        )
+
+    def _ignore(self, key: str, why: str) -> None:
+        if (key, why) not in self._ignored:  # log each fenced writer once
+            self._ignored.add((key, why))
+            _log.info("ignored %s: %s", key, why)

@@ -1,0 +1,173 @@
+"""The liveness socket: a death is seen at once, as EOF (docs/live-membership.md §2.3).
+
+Every worker keeps one TCP connection to the coordinator's liveness port and sends one hello
+line (``{"replica", "group_rank", "inc", "pid"}``) on it, then nothing. The kernel closes the
+connection when the process dies, however it dies, so the coordinator sees EOF without waiting
+for a lease. The other way round, the worker sees EOF when the coordinator dies.
+
+:class:`LivenessServer` is polled by the coordinator's decision loop (``poll`` doubles as the
+loop's sleep, so an EOF wakes it at once); :class:`LivenessClient` is owned by one worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import selectors
+import socket
+import time
+from dataclasses import dataclass
+
+__all__ = ["Gone", "Hello", "LivenessClient", "LivenessServer"]
+
+_log = logging.getLogger(__name__)
+_MAX_HELLO_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A worker connected and named itself."""
+
+    replica: int
+    group_rank: int
+    inc: str
+    pid: int
+    t: float
+    """``time.monotonic()`` on the coordinator when the hello was read."""
+
+
+@dataclass(frozen=True)
+class Gone:
+    """The connection of a worker that said hello was closed (EOF or reset): it died."""
+
+    replica: int
+    group_rank: int
+    inc: str
+    pid: int
+    t: float
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+        self.hello: Hello | None = None
+
+
+class LivenessServer:
+    """The coordinator's side: a listening socket and its connections, one thread (the loop)."""
+
+    def __init__(self, host: str = "") -> None:
+        self._listener = socket.create_server((host, 0), backlog=1024)
+        self._listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+
+    @property
+    def port(self) -> int:
+        return int(self._listener.getsockname()[1])
+
+    def poll(self, timeout_s: float) -> list[Hello | Gone]:
+        """Wait up to ``timeout_s`` for activity; return the hellos and deaths seen, in order."""
+        events: list[Hello | Gone] = []
+        for key, _ in self._selector.select(timeout=max(0.0, timeout_s)):
+            if key.data is None:
+                self._accept()
+            else:
+                self._read(key.data, events)
+        return events
+
+    def close(self) -> None:
+        for key in list(self._selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self._selector.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            self._selector.register(sock, selectors.EVENT_READ, _Conn(sock))
+
+    def _read(self, conn: _Conn, events: list[Hello | Gone]) -> None:
+        try:
+            data = conn.sock.recv(_MAX_HELLO_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""  # a reset is a death too
+        if not data:
+            self._drop(conn)
+            if conn.hello is not None:
+                h = conn.hello
+                events.append(Gone(h.replica, h.group_rank, h.inc, h.pid, time.monotonic()))
+            return
+        if conn.hello is not None:
+            return  # nothing is expected after the hello; ignore it
+        conn.buf += data
+        if b"\n" not in conn.buf:
+            if len(conn.buf) > _MAX_HELLO_BYTES:
+                _log.warning("liveness: a connection sent no hello line; closed")
+                self._drop(conn)
+            return
+        line = conn.buf.split(b"\n", 1)[0]
+        try:
+            doc = json.loads(line)
+            conn.hello = Hello(
+                replica=_int(doc["replica"]),
+                group_rank=_int(doc["group_rank"]),
+                inc=str(doc["inc"]),
+                pid=_int(doc["pid"]),
+                t=time.monotonic(),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            _log.warning("liveness: malformed hello %r (%s); connection closed", line[:200], exc)
+            self._drop(conn)
+            return
+        events.append(conn.hello)
+
+    def _drop(self, conn: _Conn) -> None:
+        self._selector.unregister(conn.sock)
+        conn.sock.close()
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{value!r} is not an int")
+    return value
+
+
+class LivenessClient:
+    """A worker's connection to the coordinator's liveness port (owned by one thread)."""
+
+    def __init__(
+        self, host: str, port: int, *, replica: int, group_rank: int, inc: str, timeout_s: float
+    ) -> None:
+        self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        hello = {"replica": replica, "group_rank": group_rank, "inc": inc, "pid": os.getpid()}
+        self._sock.sendall(json.dumps(hello).encode() + b"\n")
+        self._sock.setblocking(False)
+        self._closed = False
+
+    def closed_by_peer(self) -> bool:
+        """Whether the coordinator closed the connection (it died or shut down). Never blocks."""
+        if self._closed:
+            return True
+        readable, _, _ = select.select([self._sock], [], [], 0)
+        if not readable:
+            return False
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close()

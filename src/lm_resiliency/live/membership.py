@@ -1,0 +1,457 @@
+"""Membership: one worker rank's live view of the replica membership (a ``MembershipView``).
+
+Call order (every rank of every replica group, on its training thread)::
+
+    m = Membership.from_env(LiveConfig())   # registers, waits (bounded) for epoch 0
+    ...                                     # each step: m.failed() in polled waits
+    m.set_committed(step)                   # after each commit (the heartbeat carries it)
+    m.report_failure("Connection reset")    # a collective of this epoch failed
+    record = m.reform(ack)                  # ack the failed epoch, adopt the next one
+    m.close()
+
+Registration writes ``hb/<r>/<g>`` and opens the liveness socket (a fresh uuid4 incarnation
+per process); the coordinator publishes epoch 0 once all R x N ranks have registered. A
+process that starts after the run began registers as a joiner (``join/<r>/<g>``; the
+admission is the heal's, docs/live-membership.md §6).
+
+Every call raises what the background thread found since the last one: ``CoordinatorLost``
+(``coord/beat`` silent for ``coordinator_timeout_s``, liveness EOF, a store error),
+``Evicted`` (a newer epoch does not admit this incarnation), or the thread's own error.
+No call waits without a bound: every wait polls in ``poll_slice_s`` slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import TypeVar, cast
+
+import torch.distributed as dist
+
+from lm_resiliency.errors import ConfigError
+from lm_resiliency.live.config import LiveConfig
+from lm_resiliency.live.keys import (
+    Ack,
+    CoordRecord,
+    EpochRecord,
+    Failure,
+    Join,
+    Keys,
+    decode,
+    encode_text,
+)
+from lm_resiliency.live.lease import Lease, StoreErrors, brief, failure_cause
+from lm_resiliency.live.liveness import LivenessClient
+from lm_resiliency.live.view import BelowMinReplicas, CoordinatorLost, Evicted
+
+__all__ = ["Change", "Membership"]
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Change:
+    """The last membership change this rank adopted (``Membership.last_change``)."""
+
+    epoch: int
+    reason: str
+    cause: str
+    effective_step: int
+    """The first step the new membership computes (``resume_step + 1``)."""
+    t_detect: float
+    t_publish: float
+    agree_s: float
+    """The coordinator's detection to its publication of the epoch."""
+    adopt_s: float
+    """The publication to this rank adopting the epoch."""
+    rebuild_s: float = 0.0
+    redo_s: float = 0.0
+    heal_s: float = 0.0
+    """Filled by the layers that rebuild the group, redo the step and heal (0 until then)."""
+
+    @classmethod
+    def of(cls, record: EpochRecord, adopted_at: float) -> Change:
+        return cls(
+            epoch=record.epoch,
+            reason=record.reason,
+            cause=record.cause,
+            effective_step=record.effective_step,
+            t_detect=record.t_detect,
+            t_publish=record.t_publish,
+            agree_s=max(0.0, record.t_publish - record.t_detect),
+            adopt_s=max(0.0, adopted_at - record.t_publish),
+        )
+
+
+class _Requester:
+    """One daemon thread that runs the caller's store requests on its own client.
+
+    A c10d request to a coordinator that is alive but stopped (SIGSTOP, a wedged host) never
+    returns, whatever the store's timeout (measured on torch 2.13: ``check``, ``get``,
+    ``add``, ``compare_set`` all hang). The caller waits for the answer at most
+    ``timeout_s``; a request that does not return leaves this thread stuck, and the
+    membership lost.
+    """
+
+    def __init__(self, factory: Callable[[], dist.Store], name: str) -> None:
+        self._factory = factory
+        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, request: Callable[[dist.Store], _T], timeout_s: float) -> _T:
+        item = _Request(request)
+        self._queue.put(item)
+        if not item.done.wait(timeout_s):
+            raise TimeoutError(f"a store request did not return within {timeout_s:g} s")
+        if item.error is not None:
+            raise item.error
+        return cast(_T, item.value)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        store: dist.Store | None = None
+        while (item := self._queue.get()) is not None:
+            try:
+                store = store or self._factory()
+                item.value = item.fn(store)
+            except BaseException as exc:  # handed to the caller's thread
+                item.error = exc
+            item.done.set()
+
+
+class _Request:
+    def __init__(self, fn: Callable[[dist.Store], object]) -> None:
+        self.fn = fn
+        self.value: object = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+class Membership:
+    """One worker rank's membership: registration, lease, failure flag, reform.
+
+    Implements :class:`lm_resiliency.live.view.MembershipView`. The public methods are for
+    one caller thread (the training thread); the heartbeat thread has its own store client.
+    """
+
+    def __init__(
+        self,
+        config: LiveConfig,
+        *,
+        host: str,
+        port: int,
+        run: str,
+        replica: int,
+        replicas: int,
+        group_rank: int,
+    ) -> None:
+        if not 0 <= replica < replicas:
+            raise ConfigError(
+                f"replica group {replica} is outside 0..{replicas - 1} (LMR_REPLICA_GROUP must "
+                f"be below LMR_REPLICA_GROUPS={replicas})"
+            )
+        self.config = config
+        self._keys = Keys(run)
+        self._host, self._port = host, port
+        self._address = f"{host}:{port}"
+        self._replica, self._replicas, self._group_rank = replica, replicas, group_rank
+        self.incarnation = uuid.uuid4().hex
+        self._local = threading.local()
+        self._epoch = 0
+        self._members: tuple[int, ...] = ()
+        self.joining = False
+        """True when this process registered after the run began (it waits for admission)."""
+        self.last_change: Change | None = None
+        self._closed = False
+        self._liveness: LivenessClient | None = None
+        self._lease: Lease | None = None
+        self._requests = _Requester(self.store, f"lmr-live-requests-r{replica}g{group_rank}")
+        try:
+            self._register()
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def from_env(
+        cls, config: LiveConfig | None = None, env: Mapping[str, str] | None = None
+    ) -> Membership:
+        """Register from the launcher's environment (docs/live-membership.md §1)."""
+        env = os.environ if env is None else env
+        address = env.get("LMR_LIVE_COORDINATOR", "")
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(
+                f"LMR_LIVE_COORDINATOR={address!r} must be host:port of the live coordinator "
+                "(lm-resiliency launch sets it), e.g. 127.0.0.1:29600"
+            )
+        return cls(
+            config or LiveConfig(),
+            host=host,
+            port=int(port),
+            run=env.get("LMR_LIVE_RUN", ""),
+            replica=_env_int(env, "LMR_REPLICA_GROUP", None),
+            replicas=_env_int(env, "LMR_REPLICA_GROUPS", None),
+            group_rank=_env_int(env, "RANK", 0),
+        )
+
+    # -- MembershipView ------------------------------------------------------------------
+
+    @property
+    def keys(self) -> Keys:
+        return self._keys
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return self._members
+
+    @property
+    def replica(self) -> int:
+        return self._replica
+
+    @property
+    def replicas(self) -> int:
+        return self._replicas
+
+    @property
+    def group_rank(self) -> int:
+        return self._group_rank
+
+    @property
+    def index(self) -> int:
+        """This replica's rank in the epoch's cross-replica group."""
+        return self._members.index(self._replica)
+
+    def store(self) -> dist.Store:
+        """This thread's own client (note: a request to a stopped coordinator never returns;
+        the membership's own requests are bounded through a helper thread)."""
+        client: dist.Store | None = getattr(self._local, "store", None)
+        if client is None:
+            try:
+                client = dist.TCPStore(
+                    self._host,
+                    self._port,
+                    is_master=False,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=self.config.coordinator_timeout_s),
+                )
+            except StoreErrors as exc:
+                raise CoordinatorLost(
+                    f"live coordinator {self._address} unreachable ({brief(exc)}); falling back to "
+                    "whole-job restart with memory recovery"
+                ) from exc
+            self._local.store = client
+        return client
+
+    def failed(self) -> str | None:
+        self._raise_pending()
+        lease = self._running_lease()
+        cause = lease.failed()
+        if cause is None:
+            cause = self._ask(lambda s: failure_cause(s, self._keys, self._epoch))
+            if cause is not None:
+                lease.note_failed(self._epoch, cause)
+        return cause
+
+    def report_failure(self, reason: str) -> None:
+        self._raise_pending()
+        flag = Failure(by=self._who, reason=reason, t=time.time(), inc=self.incarnation)
+        key = self._keys.failure(self._epoch)
+        self._ask(lambda s: s.compare_set(key, "", encode_text(flag)))
+
+    def reform(self, ack: Ack) -> EpochRecord:
+        self._raise_pending()
+        epoch = self._epoch
+        ack = dataclasses.replace(ack, inc=self.incarnation, pid=os.getpid())
+        ack_key = self._keys.ack(epoch, self._replica, self._group_rank)
+        self._ask(lambda s: s.set(ack_key, encode_text(ack)))
+        if self.failed() is None:  # reforming starts a change if nobody flagged one
+            self.report_failure("reform")
+        key = self._keys.epoch_record(epoch + 1)
+        deadline = time.monotonic() + self.config.reform_timeout_s
+        while not self._ask(lambda s: s.check([key])):
+            if time.monotonic() > deadline:
+                raise CoordinatorLost(
+                    f"no membership epoch {epoch + 1} from the live coordinator {self._address} "
+                    f"within reform_timeout_s={self.config.reform_timeout_s:g}; falling back to "
+                    "whole-job restart with memory recovery"
+                )
+            time.sleep(self.config.poll_slice_s)
+            self._raise_pending(evicted=False)
+        record = decode(EpochRecord, self._ask(lambda s: s.get(key)), key=key)
+        self._adopt(record)
+        return record
+
+    # -- beyond the view -----------------------------------------------------------------
+
+    @property
+    def committed(self) -> int:
+        return self._running_lease().committed
+
+    def set_committed(self, step: int) -> None:
+        """Record the newest committed step; the next heartbeat carries it."""
+        self._running_lease().set_committed(step)
+
+    def register_join(self, slot_step: int = 0) -> None:
+        """Register this rank as joining (``join/<r>/<g>``); the admission is the heal's."""
+        record = Join(inc=self.incarnation, host=os.uname().nodename, pid=os.getpid(),
+                      slot_step=slot_step)  # fmt: skip
+        key = self._keys.join(self._replica, self._group_rank)
+        self._ask(lambda s: s.set(key, encode_text(record)))
+        self.joining = True
+        self._running_lease().set_epoch(self._epoch, joining=True)
+
+    def close(self) -> None:
+        """Stop the heartbeat thread and close the liveness socket (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._lease is not None:
+            self._lease.stop()
+        if self._liveness is not None:
+            self._liveness.close()
+        self._requests.close()
+        self._local = threading.local()
+
+    def __enter__(self) -> Membership:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------
+
+    @property
+    def _who(self) -> str:
+        return f"r{self._replica}g{self._group_rank}"
+
+    def _register(self) -> None:
+        keys = self._keys
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while not self._ask(lambda s: s.check([keys.coord])):
+            self._wait_slice(deadline, "the coordinator's record")
+        coord = decode(CoordRecord, self._ask(lambda s: s.get(keys.coord)), key=keys.coord)
+        self._liveness = LivenessClient(
+            self._host,
+            coord.live_port,
+            replica=self._replica,
+            group_rank=self._group_rank,
+            inc=self.incarnation,
+            timeout_s=self.config.coordinator_timeout_s,
+        )
+        identity = Lease.identity(
+            keys, self._replica, self._group_rank, self.incarnation, self._address
+        )
+        self._lease = Lease(
+            identity=identity,
+            config=self.config,
+            store_factory=self.store,
+            liveness=self._liveness,
+            epoch=0,
+        )
+        # The first heartbeat is written before the coordinator can count this rank.
+        lease = self._lease
+        self._ask(lambda s: lease._beat(s, None, time.monotonic()))
+        self._lease.start()
+        first = keys.epoch_record(0)
+        while not self._ask(lambda s: s.check([first])):
+            self._wait_slice(deadline, "membership epoch 0 (every replica's ranks registering)")
+            self._raise_pending()
+        record = decode(EpochRecord, self._ask(lambda s: s.get(first)), key=first)
+        if record.admits(self._replica, self._group_rank, self.incarnation):
+            self._adopt(record)
+            return
+        # The run began before this process: it joins (admission and heal are §6's).
+        current = int(self._ask(lambda s: s.get(keys.epoch)))
+        key = keys.epoch_record(current)
+        record = decode(EpochRecord, self._ask(lambda s: s.get(key)), key=key)
+        self._epoch, self._members = record.epoch, record.members
+        self.register_join()
+
+    def _wait_slice(self, deadline: float, what: str) -> None:
+        if time.monotonic() > deadline:
+            raise CoordinatorLost(
+                f"no {what} on the live coordinator {self._address} within join_timeout_s="
+                f"{self.config.join_timeout_s:g}"
+            )
+        time.sleep(self.config.poll_slice_s)
+
+    def _adopt(self, record: EpochRecord) -> None:
+        if not record.members:
+            raise BelowMinReplicas(
+                f"membership epoch {record.epoch} has no members ({record.cause}); falling "
+                "back to whole-job restart with memory recovery"
+            )
+        if not record.admits(self._replica, self._group_rank, self.incarnation):
+            raise Evicted(record.epoch, f"{record.reason}: {record.cause}".rstrip(": "))
+        self._epoch, self._members = record.epoch, record.members
+        self.last_change = Change.of(record, time.time())
+        self._running_lease().set_epoch(record.epoch)
+
+    def _running_lease(self) -> Lease:
+        if self._closed or self._lease is None:
+            raise RuntimeError(f"Membership of {self._who} is closed; make a new one")
+        return self._lease
+
+    def _raise_pending(self, *, evicted: bool = True) -> None:
+        lost, record, error = self._running_lease().flags()
+        if error is not None:
+            raise RuntimeError(f"live membership heartbeat thread failed: {error!r}") from error
+        if lost is not None:
+            raise CoordinatorLost(
+                f"live membership: {lost}; falling back to whole-job restart with memory recovery"
+            )
+        if evicted and record is not None:
+            self._adopt(record)  # raises Evicted or BelowMinReplicas
+
+    def _ask(self, request: Callable[[dist.Store], _T]) -> _T:
+        """Run one request on this thread's client; a store error means the coordinator is
+        gone (every request is bounded by ``coordinator_timeout_s``)."""
+        try:
+            return self._requests.call(request, self.config.coordinator_timeout_s)
+        except TimeoutError as exc:
+            why = f"coordinator {self._address} silent ({exc})"
+            if self._lease is not None:
+                self._lease.mark_lost(why)
+            raise CoordinatorLost(
+                f"live membership: {why}; falling back to whole-job restart with memory recovery"
+            ) from None
+        except StoreErrors as exc:
+            if self._lease is not None:
+                self._lease.mark_lost(f"coordinator {self._address} unreachable ({brief(exc)})")
+            raise CoordinatorLost(
+                f"live membership: coordinator {self._address} unreachable ({brief(exc)}); falling "
+                "back to whole-job restart with memory recovery"
+            ) from exc
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int:
+    raw = env.get(name)
+    if raw is None and default is not None:
+        return default
+    if raw is None or not raw.strip().isdigit():
+        raise ConfigError(
+            f"{name}={raw!r} must be a non-negative integer (lm-resiliency launch sets it; "
+            "see docs/live-membership.md §1)"
+        )
+    return int(raw)
