@@ -19,6 +19,7 @@ _COMMANDS = (
     "inspect",
     "clean",
     "train",
+    "bench",
 )
 
 
