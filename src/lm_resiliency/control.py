@@ -88,6 +88,12 @@ class ControlPlane:
             dist.broadcast(nonce, src=ranks[0], group=self.group)
         self._prefix = f"lm_resiliency/control/{next(_instances)}/{bytes(nonce.tolist()).hex()}"
 
+    def global_ranks(self) -> list[int]:
+        """This plane's ranks in the job's (default group's) numbering, in group-rank order."""
+        if self.group is None:
+            return list(range(self.world_size))
+        return [int(r) for r in dist.get_process_group_ranks(self.group)]
+
     @contextlib.contextmanager
     def op(self, name: str) -> Iterator[None]:
         """Run the collective(s) in the ``with`` block as operation ``name``, bounded.

@@ -5,13 +5,16 @@
 exception handling. In the faulty job one worker's data stream SIGKILLs its
 process when asked for the batch of a random step; torchrun restarts the group
 (``--max-restarts=1``), ``enable_resiliency`` recovers the newest capture every
-rank can load and the job ends bit-identical to a fault-free run. The
+rank can load and the job ends bit-identical to a fault-free run, its LR
+scheduler included (``state=``, stepped after ``optimizer.step()``, no line after
+the restore: the capture replays that call). The
 fault-free reference runs the same worker code on 4 ranks through
 ``run_distributed`` (same world, same Gloo collectives; only the launcher differs).
 """
 
 from __future__ import annotations
 
+import json
 import random
 import uuid
 from pathlib import Path
@@ -33,7 +36,8 @@ _TIMEOUT_S = 300.0
 def _args(tmp: Path, name: str) -> list[str]:
     out = tmp / name
     out.mkdir()
-    return ["--out", str(out), "--steps", str(_STEPS), "--disk-folder", str(tmp / f"{name}-disk")]
+    disk = str(tmp / f"{name}-disk")
+    return ["--out", str(out), "--steps", str(_STEPS), "--disk-folder", disk, "--scheduler"]
 
 
 def _crash_job(tmp: Path, kill_step: int, kill_rank: int) -> Path:
@@ -81,3 +85,8 @@ def test_a_worker_killed_at_a_random_step_resumes_bit_identical(tmp_path: Path) 
         assert len(final) > 50  # parameters and AdamW state
         differing = [k for k in final if not torch.equal(final[k], expected[k])]
         assert differing == [], f"{differing[:5]} {context}"
+        # The LR scheduler (state=, stepped after optimizer.step(), nothing after the
+        # restore) ends where the fault-free run's does, learning rate bit for bit.
+        got = json.loads((crashed / f"scheduler-rank{rank}.json").read_text())
+        want = json.loads((reference / f"scheduler-rank{rank}.json").read_text())
+        assert got == want and got["scheduler"]["last_epoch"] == _STEPS, context

@@ -26,6 +26,7 @@ from lm_resiliency import (
     enable_resiliency,
 )
 from lm_resiliency.frontdoor.objects import StateObjects
+from lm_resiliency.frontdoor.schedulers import SchedulerReplay
 from lm_resiliency.rng import capture_rng, restore_rng
 from lm_resiliency.state import decode_state, encode_state
 
@@ -367,3 +368,61 @@ def test_a_fallback_that_finds_nothing_reports_a_fresh_start_on_every_rank(
     with enable_resiliency(model, opt, config=config, load_fallback=lambda: None) as handle:
         info = handle.last_recovery
         assert (info.step, info.source, info.sources) == (None, "fresh", ("fresh",))
+
+
+def _cosine(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+
+
+def test_a_scheduler_captured_inside_the_step_is_replayed_to_its_state_after_it() -> None:
+    # What the post-step hook captures, then the loop's scheduler.step(); the restore
+    # of that capture (optimizer first, then the scheduler and its replay) must land
+    # exactly where the uninterrupted run is after scheduler.step().
+    model = nn.Linear(4, 4)
+    opt, sched = _cosine(model)
+    for _ in range(7):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        captured = ({"sched": sched.state_dict()}, opt.state_dict())
+        sched.step()
+        opt.zero_grad()
+        new_opt, new_sched = _cosine(nn.Linear(4, 4))
+        new_opt.load_state_dict(captured[1])
+        replay = SchedulerReplay(StateObjects({"sched": new_sched}).items(), active=True)
+        StateObjects({"sched": new_sched}).load(captured[0])
+        replay.replay(["sched"])
+        assert new_sched.state_dict() == sched.state_dict()
+        assert new_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]  # bit for bit
+    assert sched.last_epoch == 7
+
+
+@pytest.mark.parametrize(
+    ("every", "message"),
+    [(2, "it was stepped 0 times"), (0.5, "it was stepped 2 times")],
+    ids=["per-epoch", "twice-per-step"],
+)
+def test_a_loop_that_steps_its_scheduler_otherwise_is_refused(every: float, message: str) -> None:
+    model = nn.Linear(4, 4)
+    opt, sched = _cosine(model)
+    with enable_resiliency(model, opt, interval=3, state={"sched": sched}) as resiliency:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        for _ in range(1 if every == 2 else 2):
+            if every != 2:
+                sched.step()
+        model(torch.randn(2, 4)).sum().backward()
+        with pytest.raises(
+            ConfigError, match=rf"state\['sched'\] \(CosineAnnealingLR\).*{message}"
+        ):
+            opt.step()
+        assert resiliency.step == 1
+
+
+def test_a_plateau_scheduler_is_refused_at_enable_and_mtgs_replays_nothing() -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with pytest.raises(ConfigError, match=r"state\['plateau'\] is a ReduceLROnPlateau"):
+        enable_resiliency(model, opt, interval=3, state={"plateau": plateau})
+    assert SchedulerReplay([("plateau", plateau)], active=False).to_replay() == []

@@ -108,12 +108,13 @@ class InMemoryCheckpointManager:
         self.hsdp = hsdp = cfg.skip_replication_if_hsdp and hsdp_replicated
         ident = agree_identity(control, cfg, hsdp=hsdp, replica_ranks=replica_ranks)
         self.plan, self.run_id, self.topology = ident.plan, ident.run_id, ident.topology
+        self.namespace = space = ident.namespace  # topology, unless one of several groups
         plan, serves = ident.plan, ident.serves
         self.tier = control.agree(
             lambda: memory_tier(
                 cfg,
                 run_id=self.run_id,
-                topology=self.topology,
+                topology=space,
                 rank=rank,
                 peer_owner=None if hsdp else serves,
                 superseded=other_topologies,
@@ -124,7 +125,7 @@ class InMemoryCheckpointManager:
         self._channel, self._peer = channel, peer = replicas(
             cfg, plan, run_id=self.run_id, rank=self.rank, hsdp=self.hsdp, backing=backing
         )
-        self._disk = disk = LocalDisk(cfg, run_id=self.run_id, topology=self.topology, rank=rank)
+        self._disk = disk = LocalDisk(cfg, run_id=self.run_id, topology=space, rank=rank)
         # SCOUT's TrustSink (detection/certify.py) for this rank's captures:
         self.trust = trust = TrustLedger(rank, disk, serves_owner=serves, persist=self._persist)
         self._flusher = flusher = DiskFlusher(disk.store, trust=trust.trust_of)
@@ -152,7 +153,7 @@ class InMemoryCheckpointManager:
             sources,
             restarted=(restart_count() or 0) > 0,
             other_topologies=other_topologies
-            + disk_topologies(cfg.disk_folder, self.run_id, self.topology),
+            + disk_topologies(cfg.disk_folder, self.run_id, space),
         )
         self._exit = ExitGuard(cfg, control, parts)
 

@@ -15,12 +15,15 @@ files for another topology.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch.distributed as dist
 
 from lm_resiliency.capture.engine import Adopted, CaptureEngine
 from lm_resiliency.capture.slot import ArenaBacking
@@ -31,7 +34,7 @@ from lm_resiliency.checkpointing.trust import TrustLedger
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.control import ControlPlane
 from lm_resiliency.distributed import restart_count
-from lm_resiliency.errors import ConfigError
+from lm_resiliency.errors import CollectiveTimeout, ConfigError
 from lm_resiliency.memory import MemoryFolder, MemoryFolderFull, MemoryTier
 from lm_resiliency.persistence import agree_job_fingerprint, resolve_run_id, topology_fingerprint
 from lm_resiliency.persistence import namespace as ns
@@ -66,6 +69,9 @@ class Identity:
     topology: str
     serves: int | None
     """The rank whose state this rank can serve (its replica's owner, or its HSDP partner)."""
+    namespace: str
+    """Where this group's files and memory slots live: ``topology`` when the group is the
+    whole job, else :func:`member_namespace` (disjoint groups share the topology)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,14 @@ def agree_identity(
     replica_ranks: Sequence[int] | None,
 ) -> Identity:
     """Collective: check every rank's environment (failing on every rank alike), then agree
-    the run id and the job's topology fingerprint over the control plane."""
+    the run id and the job's topology fingerprint.
+
+    The topology is one job-wide fingerprint of the ordered per-rank group fingerprints
+    (a group's: its members and replication pairs, in global ranks). When the checkpoint
+    group is not the whole job, both agreements run over every rank of the job (each
+    rank constructs its manager, with its own group), so disjoint groups share one run
+    id and one topology identity; each group's storage keeps its own namespace.
+    """
     rank, world = control.rank, control.world_size
     plan = control.agree(
         lambda: preflight(
@@ -97,16 +110,59 @@ def agree_identity(
         ),
         "check this rank's environment",
     )
-    with control.op("agree the run id"):
-        run_id = resolve_run_id(config.run_id, group=control.group)
     if rank == 0:
         log.info("GEMINI replication: %s", describe_plan(plan, hsdp=hsdp))
-    pairs = plan.table() if plan is not None else []
-    group_fp = topology_fingerprint(list(range(world)), pairs)
-    with control.op("agree the topology"):
-        topology = agree_job_fingerprint(group_fp, group=control.group)
     serves = plan.recv_from(rank) if plan is not None and plan.has_peer else None
-    return Identity(plan, run_id, topology, serves)
+    members = control.global_ranks()
+    pairs = [(members[a], members[b]) for a, b in (plan.table() if plan is not None else [])]
+    group_fp = topology_fingerprint(members, pairs)
+    if not control.distributed or control.world_size == dist.get_world_size():
+        # The checkpoint group is the job: its plane is the job's.
+        with control.op("agree the run id"):
+            run_id = resolve_run_id(config.run_id, group=control.group)
+        with control.op("agree the topology"):
+            topology = agree_job_fingerprint(group_fp, group=control.group)
+        return Identity(plan, run_id, topology, serves, topology)
+    job = _job_plane(control, members)
+    try:
+        with job.op("agree the run id across the job"):
+            run_id = resolve_run_id(config.run_id, group=job.group)
+        with job.op("agree the job's topology"):
+            topology = agree_job_fingerprint(group_fp, group_ranks=members, group=job.group)
+    finally:
+        job.close()
+    return Identity(plan, run_id, topology, serves, member_namespace(topology, group_fp))
+
+
+def member_namespace(topology: str, group_fingerprint: str) -> str:
+    """The storage namespace of one checkpoint group of a job of several.
+
+    Disjoint groups share the job's ``topology`` but number their ranks from 0
+    each, so their files and memory slots live under a namespace that also binds
+    the group's own fingerprint (its ranks and pairs): one group never reads or
+    replaces another's ``rank-0``.
+    """
+    body = f"{topology}/{group_fingerprint}".encode()
+    return hashlib.sha256(b"lm_resiliency.topology.member/1" + body).hexdigest()
+
+
+def _job_plane(control: ControlPlane, members: Sequence[int]) -> ControlPlane:
+    """A bounded plane over every rank of the job, for a manager on a checkpoint group.
+
+    Collective over the world: every training rank constructs its manager at the
+    same point. Raises ``CollectiveTimeout`` naming the group when some rank never
+    does (within ``control_timeout_s``).
+    """
+    try:
+        return ControlPlane(None, timeout_s=control.timeout_s)
+    except RuntimeError as exc:  # torch's distributed errors derive from RuntimeError
+        raise CollectiveTimeout(
+            f"rank {control.rank} of checkpoint group {list(members)}: the job-wide identity "
+            f"(run id and topology) needs every one of the {dist.get_world_size()} training "
+            f"ranks to construct its manager, and not all did within control_timeout_s="
+            f"{control.timeout_s:g} s; construct a manager on every rank, each with its "
+            f"checkpoint group. Gloo said: {str(exc)[:300]}"
+        ) from exc
 
 
 def preflight(

@@ -21,6 +21,7 @@ _COMMANDS = (
     "train",
     "launch",
     "coordinator",
+    "bench",
 )
 # Subcommands that parse their own command line, because they pass part of it through
 # untouched (``launch``: torchrun's arguments and the training command after ``--``).

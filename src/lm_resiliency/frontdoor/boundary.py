@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
+from lm_resiliency.frontdoor.schedulers import SchedulerReplay
 
 __all__ = ["BlockingStats", "CaptureBoundary", "CaptureGate", "WaitOnly"]
 
@@ -54,8 +55,10 @@ class CaptureBoundary:
         start_step: int,
         build_tree: Callable[[int, Any], Any],
         rank_part: Callable[[], Any],
+        schedulers: SchedulerReplay | None = None,
     ) -> None:
         self._manager = manager
+        self._schedulers = schedulers
         self._interval = interval
         self._build_tree = build_tree
         self._rank_part = rank_part
@@ -68,6 +71,8 @@ class CaptureBoundary:
         self._in_flight = False
 
     def before_step(self) -> None:
+        if self._schedulers is not None:
+            self._schedulers.check()  # the loop stepped each scheduler once since after_step
         if not self._in_flight:
             return
         t0 = time.perf_counter()
@@ -81,6 +86,8 @@ class CaptureBoundary:
             self._settled = self._rank_part()
 
     def after_step(self) -> None:
+        if self._schedulers is not None:
+            self._schedulers.expect_step()
         self.step += 1
         step = self.step
         settled, self._settled = self._settled, None

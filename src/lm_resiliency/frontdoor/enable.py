@@ -18,6 +18,7 @@ from lm_resiliency.frontdoor.handle import ResiliencyHandle
 from lm_resiliency.frontdoor.objects import StateObjects
 from lm_resiliency.frontdoor.resiliency_config import ResiliencyConfig
 from lm_resiliency.frontdoor.resume import resume, resume_from_framework
+from lm_resiliency.frontdoor.schedulers import SchedulerReplay
 from lm_resiliency.frontdoor.transact import attach_faults, build_mtgs, check_faults
 from lm_resiliency.frontdoor.tree import CaptureTree
 from lm_resiliency.frontdoor.validate import check_mtgs, check_scout, gemini_config, split_config
@@ -125,9 +126,18 @@ def enable_adapter(
     adapter.validate_capture()
     layout = adapter.parallel_layout()
     objects = StateObjects(state, complete_scaler_update=mtgs_config is None)
+    # The plain loop steps its LR schedulers after the captured optimizer step: replayed.
+    schedulers = SchedulerReplay(
+        objects.items(), active=mtgs_config is None and adapter.capture_before_scheduler_step
+    )
     group_rank = dist.get_rank(layout.group) if dist.is_initialized() else 0
     tree = CaptureTree(
-        adapter, objects, layout, group_rank=group_rank, restore_rng=restore_rng or restore_now
+        adapter,
+        objects,
+        layout,
+        group_rank=group_rank,
+        restore_rng=restore_rng or restore_now,
+        schedulers=schedulers,
     )
     tree.validate()
     fallback = load_fallback if load_fallback is not None else adapter.durable_fallback()
@@ -149,6 +159,7 @@ def enable_adapter(
             start_step=recovery.step or 0,
             build_tree=tree.build,
             rank_part=tree.per_rank,
+            schedulers=schedulers,
         )
         if checker is not None:
             boundary.gates.append(checker.before_capture)

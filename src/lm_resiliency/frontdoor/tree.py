@@ -4,7 +4,8 @@
 
     {"format": "lm_resiliency.enable/1", "framework": "ddp", "step": 30,
      "adapter": adapter.state_dict(),                 # model, optimizer, DDP bucket order...
-     "rank": {"rng": ..., "state": {...}, "adapter": adapter.rank_state_dict()}}
+     "rank": {"rng": ..., "state": {...}, "adapter": adapter.rank_state_dict(),
+              "replay": ["scheduler"]}}               # plain loop: the call still to come
 
 Under HSDP (natural replicas, no peer transfer) ``"rank"`` is replaced by
 ``"ranks": {"<group rank>": per-rank part}`` holding the per-rank part of every
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from lm_resiliency.control import all_gather_trees
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.frontdoor.objects import StateObjects
+from lm_resiliency.frontdoor.schedulers import SchedulerReplay
 from lm_resiliency.integrations.base import Adapter, ParallelLayout
 from lm_resiliency.rng import capture_rng, restore_rng
 from lm_resiliency.state import Deferred
@@ -42,8 +44,10 @@ class CaptureTree:
         *,
         group_rank: int,
         restore_rng: Callable[[dict[str, Any]], None] = restore_rng,
+        schedulers: SchedulerReplay | None = None,
     ) -> None:
         self._restore_rng = restore_rng
+        self._schedulers = schedulers or SchedulerReplay(objects.items(), active=False)
         self._adapter = adapter
         self._objects = objects
         self._layout = layout
@@ -63,7 +67,10 @@ class CaptureTree:
         ``mine``: this rank's :meth:`per_rank` part when it was taken earlier (at the
         optimizer step of a framework that finishes its step later); taken now if None.
         The LR schedulers among the ``state`` objects are stepped by the loop after the
-        optimizer, so their state is taken now in either case.
+        optimizer, so their state is taken now in either case. In the plain loop (the
+        capture runs inside ``optimizer.step()``) that is before their ``scheduler.step()``:
+        the part names them under ``"replay"`` and the restore replays that call
+        (``frontdoor/schedulers.py``).
         """
         tree: dict[str, Any] = {
             "format": FORMAT,
@@ -79,6 +86,9 @@ class CaptureTree:
             late = self._objects.schedulers_state_dicts()
             if late:
                 mine = {**mine, "state": {**mine["state"], **late}}
+        replay = self._schedulers.to_replay()
+        if replay:
+            mine = {**mine, "replay": replay}
         if self._layout.replica_group is None:
             tree["rank"] = mine
         else:
@@ -119,6 +129,7 @@ class CaptureTree:
                 )
             own = ranks[str(self._rank)]
         self._objects.load(own["state"])
+        self._schedulers.replay(own.get("replay", []))  # after the optimizer's param groups
         self._adapter.load_rank_state_dict(own["adapter"])
         self._restore_rng(own["rng"])  # last: nothing above may draw from the restored generators
         return int(tree["step"])

@@ -134,6 +134,13 @@ class Adapter(Protocol):
     framework: str
     """``"torch"``, ``"ddp"``, ``"fsdp2"``, ``"hsdp"``, ``"hf"``, ``"deepspeed"``, ..."""
 
+    capture_before_scheduler_step: bool
+    """Whether ``after_step`` (the capture) comes before the loop's ``scheduler.step()``:
+    true for the optimizer-hook boundary (the plain loop steps its LR schedulers after
+    ``optimizer.step()``), so the ``state=`` schedulers are replayed on restore; false
+    where the step ends after the framework's own scheduler step (DeepSpeed, Megatron,
+    the HF ``Trainer``)."""
+
     def step_optimizers(self) -> Sequence[torch.optim.Optimizer]:
         """Torch optimizers whose ``step()`` marks the boundary (after all of them stepped once)."""
         ...
@@ -244,6 +251,7 @@ class AdapterBase:
     """
 
     framework = "base"
+    capture_before_scheduler_step = True
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self._optimizers = list(optimizers)

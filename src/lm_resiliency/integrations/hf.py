@@ -41,6 +41,7 @@ class HFAdapter(AdapterBase):
     """The Trainer's model, optimizer, scheduler, state and data position (built at train begin)."""
 
     framework = "hf"
+    capture_before_scheduler_step = False  # its step ends after the scheduler step
 
     def __init__(
         self,

@@ -1,7 +1,12 @@
 """torchrun worker: the plain training loop of the README, verbatim, under enable_resiliency.
 
 ``python -m torch.distributed.run ... tests/faults/workers/plain_loop.py --out DIR
---steps N --disk-folder DIR [--kill-step S --kill-rank R] [--fail-apply-attempt A]``
+--steps N --disk-folder DIR [--kill-step S --kill-rank R] [--fail-apply-attempt A]
+[--scheduler]``
+
+With ``--scheduler`` the loop also steps an LR scheduler (in ``state=``) right
+after ``optimizer.step()``, the torch order, and nothing follows the restore: the
+capture replays that call. Its final state goes to ``DIR/scheduler-rank<R>.json``.
 
 The fault is not in the loop: it is in the data source. With ``--kill-step``,
 rank R's batch stream SIGKILLs its own process when training asks it for the
@@ -75,6 +80,7 @@ def train(argv: list[str]) -> None:
     p.add_argument("--kill-step", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--fail-apply-attempt", type=int, default=-1)
+    p.add_argument("--scheduler", action="store_true")
     args = p.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = restart_count() or 0
@@ -91,6 +97,10 @@ def train(argv: list[str]) -> None:
     config = InMemoryCkptConfig(disk_folder=args.disk_folder, disk_flush_interval=10)
 
     state: dict[str, Any] = {"loader": loader}
+    scheduler = None
+    if args.scheduler:  # the LR changes at every step: a restore one step behind shows
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
+        state["scheduler"] = scheduler
     if args.fail_apply_attempt >= 0:
         state["probe"] = RefusingProbe(refuse=attempt == args.fail_apply_attempt)
     resiliency = enable_resiliency(ddp_model, optimizer, interval=10, state=state, config=config)
@@ -102,8 +112,15 @@ def train(argv: list[str]) -> None:
     for step in range(resiliency.start_step + 1, max_steps + 1):
         loss_fn(ddp_model, next(loader)).backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad()
     resiliency.close()
+
+    if scheduler is not None:
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        done = {"scheduler": scheduler.state_dict(), "lr": lrs}
+        (args.out / f"scheduler-rank{rank}.json").write_text(json.dumps(done))
 
     save_final(args.out, rank, ddp_model, optimizer)
 

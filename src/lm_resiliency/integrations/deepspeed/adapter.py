@@ -67,6 +67,7 @@ class DeepSpeedAdapter(AdapterBase):
     """
 
     framework = "deepspeed"
+    capture_before_scheduler_step = False  # its step ends after the scheduler step
 
     def __init__(
         self,

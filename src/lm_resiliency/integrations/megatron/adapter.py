@@ -59,6 +59,7 @@ class MegatronAdapter(AdapterBase):
     """
 
     framework = "megatron"
+    capture_before_scheduler_step = False  # its step ends after the scheduler step
 
     def __init__(self, model: Any, optimizer: Any, *, scheduler: Any = None) -> None:
         self.chunks = model_chunks(model)
