@@ -274,6 +274,7 @@ def test_the_started_coordinator_serves_the_workers_and_is_restarted_when_it_die
     job = _start(launched, tmp_path, [
         "--replica-groups", "2", "--nproc-per-group", "1", "--run-id", "run-c",
         "--coordinator-arg=--lease-s=30", "--coordinator-arg=--heartbeat-s=1",
+        "--coordinator-arg=--stale-s=15",
         "--", WORKER, str(tmp_path), "--touch-store", "--wait",
     ])  # fmt: skip
     records = job.wait_for(_names(2, 1))
