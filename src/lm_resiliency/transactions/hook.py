@@ -208,9 +208,11 @@ def _live_bucket(state: MTGSState, bucket: GradBucket) -> torch.futures.Future[t
 
     n = buffer.numel()
     packed = torch.cat([buffer, state._vote_vector(buffer.dtype, buffer.device)])
-    fut = reducer.allreduce(packed)
+    # Counted before the launch: a live reducer never raises here (a failure is set on
+    # the future), so the vote has left once allreduce is called.
     state.votes_carried += 1
     state.vote_cast = True
+    fut = reducer.allreduce(packed)
 
     def unpack(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         reduced = state._live_result(f)
