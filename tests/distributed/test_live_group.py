@@ -55,6 +55,7 @@ def _finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str, str]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("numel", [1, 4 << 20], ids=["4B", "16MB"])
 def test_sigkill_inside_allreduce_survivors_rebuild_and_exit_cleanly(numel: int) -> None:
     coord = ScriptedCoordinator("t", 4).start()

@@ -215,8 +215,11 @@ class CrossReplicaGroup:
                     self._report = cause
             failure = self._failure
             pending, self._pending = self._pending, []
+            report = self._report is not None
         for entry in pending:
             entry.finish(failure)
+        if report:
+            _WATCHER.wake()  # publish fail/<E> now, not a slice later: peers wait on it
 
     def _flush_report(self) -> None:
         # Under its own lock, which abandon() takes too: a report for epoch E must never
@@ -304,6 +307,10 @@ class _Watcher:
                     target=self._run, name="lmr-live-watcher", daemon=True
                 )
                 self._thread.start()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
     def _run(self) -> None:
         while True:

@@ -96,6 +96,9 @@ class LiveReducer:
         """
         t0 = time.perf_counter()
         failed = self.group.failure()
+        if failed is None:
+            # MTGS took another communication error for a loss: make the peers leave too.
+            self.view.report_failure("a member's collective failed outside the group")
         self.group.abandon(failed.cause if failed is not None else "membership change")
         ack = Ack(
             inc=self.view.incarnation,

@@ -19,6 +19,11 @@ the world size, all-reduce with SUM) plus two cheap things:
   holds every rank's code. The vote costs no extra collective, only the copy
   of that one bucket.
 
+With a *live* reducer (``MTGSState(reducer=...)``, docs/live-membership.md §4.1) the
+bucket is pre-scaled by the reducer's sample weight instead, reduced through the reducer's
+polled future, and the vote vector has ``2*slots`` entries: the code in slot ``r`` and the
+epoch mark in slot ``slots + r``. The default reducer takes today's path unchanged.
+
 The codes are read once per step, after ``backward()`` returned (DDP has waited
 for every bucket by then), by :meth:`MTGSState.reduced_codes`.
 

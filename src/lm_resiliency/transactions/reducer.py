@@ -131,9 +131,8 @@ class GroupReducer:
     live = False
     epoch = 0
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
-        self.timeout_s = timeout_s
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
