@@ -12,12 +12,16 @@ from typing import Protocol
 import torch.distributed as dist
 
 from lm_resiliency.live.keys import Ack, EpochRecord, Keys
+from lm_resiliency.transactions.reducer import MembershipLoss
 
 __all__ = ["BelowMinReplicas", "CoordinatorLost", "EpochFailed", "Evicted", "MembershipView"]
 
 
-class EpochFailed(RuntimeError):
+class EpochFailed(MembershipLoss):
     """A collective of membership epoch ``epoch`` failed or was abandoned (a peer was lost).
+
+    A :class:`~lm_resiliency.transactions.reducer.MembershipLoss`: MTGS in live mode takes it
+    for a membership change.
 
     Raised on the caller's thread within one poll slice of the loss; the survivor then
     acknowledges the epoch and reforms (:meth:`MembershipView.reform`).
@@ -73,6 +77,11 @@ class MembershipView(Protocol):
         ...
 
     @property
+    def incarnation(self) -> str:
+        """This process's incarnation (uuid4 hex), carried in its ``Ack`` for fencing."""
+        ...
+
+    @property
     def group_rank(self) -> int:
         """This process's rank inside its replica group (torchrun's ``RANK``)."""
         ...
@@ -82,11 +91,18 @@ class MembershipView(Protocol):
         ...
 
     def failed(self) -> str | None:
-        """The cause if the current epoch has failed (``fail/<E>`` exists or was seen)."""
+        """The cause if the current epoch has failed (``fail/<E>`` exists or was seen).
+
+        Called from the cross-replica group's watcher thread too (use that thread's own
+        store client), every poll slice while a collective is pending.
+        """
         ...
 
     def report_failure(self, reason: str) -> None:
-        """Publish ``fail/<E>`` for the current epoch unless someone already did."""
+        """Publish ``fail/<E>`` for the current epoch unless someone already did.
+
+        Called from the watcher thread (its own store client).
+        """
         ...
 
     def reform(self, ack: Ack) -> EpochRecord:

@@ -19,6 +19,11 @@ the world size, all-reduce with SUM) plus two cheap things:
   holds every rank's code. The vote costs no extra collective, only the copy
   of that one bucket.
 
+With a *live* reducer (``MTGSState(reducer=...)``, docs/live-membership.md §4.1) the
+bucket is pre-scaled by the reducer's sample weight instead, reduced through the reducer's
+polled future, and the vote vector has ``2*slots`` entries: the code in slot ``r`` and the
+epoch mark in slot ``slots + r``. The default reducer takes today's path unchanged.
+
 The codes are read once per step, after ``backward()`` returned (DDP has waited
 for every bucket by then), by :meth:`MTGSState.reduced_codes`.
 
@@ -41,6 +46,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
 from lm_resiliency.transactions.reasons import VOTE_REASONS_MAX, AbortReason
+from lm_resiliency.transactions.reducer import GroupReducer, Reducer, live_vector
 
 
 class MTGSState:
@@ -54,9 +60,16 @@ class MTGSState:
     """
 
     def __init__(
-        self, process_group: dist.ProcessGroup | None = None, *, carry_vote: bool = True
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        carry_vote: bool = True,
+        reducer: Reducer | None = None,
     ) -> None:
         self.process_group = process_group
+        self.reducer: Reducer = reducer if reducer is not None else GroupReducer(process_group)
+        """Where the buckets are reduced; a live reducer survives a lost replica."""
+        self.live = self.reducer.live
         self.carry_vote = carry_vote
         """``False``: a plain mean all-reduce that only counts buckets (the hook-less ablation
         votes with an explicit collective instead)."""
@@ -119,6 +132,14 @@ class MTGSState:
         """The summed vote vector (slot r = rank r's code) or ``None`` if no vote was cast."""
         return self._reduced
 
+    def _live_result(self, f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        try:
+            return f.value()
+        except Exception as exc:
+            if self.failure is None:
+                self.failure = exc  # the reducer's MembershipLoss, with its own type
+            raise
+
     def _add_local_sum(self, buffer: torch.Tensor) -> None:
         acc = torch.float64 if buffer.dtype == torch.float64 else torch.float32
         s = torch.sum(buffer, dtype=acc)
@@ -137,6 +158,8 @@ class MTGSState:
         if self._health is not None:
             bad = ~self._health.to(device=device, dtype=torch.bool)
             code = code + bad.to(torch.float32) * float(AbortReason.HEALTH_CHECK)
+        if self.live:
+            return live_vector(code, self.reducer, dtype, device)
         vector = torch.zeros(self.world_size, dtype=dtype, device=device)
         vector[self.rank] = code.to(dtype)
         return vector
@@ -148,6 +171,8 @@ def mtgs_comm_hook(state: MTGSState, bucket: GradBucket) -> torch.futures.Future
     Called by DDP on every rank for every bucket, in bucket order. Never reads a
     value back to the host and never touches other buckets or the parameters.
     """
+    if state.live:
+        return _live_bucket(state, bucket)
     buffer = bucket.buffer()
     if state.carry_vote:
         state._add_local_sum(buffer)
@@ -172,3 +197,31 @@ def mtgs_comm_hook(state: MTGSState, bucket: GradBucket) -> torch.futures.Future
         return reduced[:n]
 
     return cast(torch.futures.Future[torch.Tensor], fut.then(unpack))
+
+
+def _live_bucket(state: MTGSState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The live reducer's bucket: pre-scaled by the sample weight, ``2*slots`` vote slots."""
+    buffer = bucket.buffer()
+    reducer = state.reducer
+    if state.carry_vote:
+        state._add_local_sum(buffer)
+    buffer.mul_(reducer.weight)
+    state.buckets_launched += 1
+    state.bucket_allreduces += 1
+    if not (state.carry_vote and bucket.is_last()):
+        return reducer.allreduce(buffer).then(state._live_result)
+
+    n = buffer.numel()
+    packed = torch.cat([buffer, state._vote_vector(buffer.dtype, buffer.device)])
+    # Counted before the launch: a live reducer never raises here (a failure is set on
+    # the future), so the vote has left once allreduce is called.
+    state.votes_carried += 1
+    state.vote_cast = True
+    fut = reducer.allreduce(packed)
+
+    def unpack(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        reduced = state._live_result(f)
+        state._reduced = reduced[n:]
+        return reduced[:n]
+
+    return fut.then(unpack)

@@ -29,10 +29,15 @@ class AbortReason(enum.IntFlag):
     STEP_EXCEPTION = 1 << 7
     NONFINITE_PARAMS = 1 << 8
     LATE_FAILURE = 1 << 9
+    # Vote phase, but decided from the reduced vote vector rather than carried in it: a
+    # member's epoch mark differs from this rank's, or a non-member's slot is not empty
+    # (live membership, docs/live-membership.md §4.1). Nothing was applied.
+    STALE_EPOCH = 1 << 10
 
 
 VOTE_REASONS_MAX = 1 << 7
-"""Every vote-phase code is below this value (exact in bfloat16 buckets)."""
+"""Every vote-phase code a rank carries in a bucket is below this value (exact in bfloat16
+buckets); ``STALE_EPOCH`` is read from the epoch marks, never carried."""
 
 
 def reason_names(code: int) -> tuple[str, ...]:

@@ -24,6 +24,30 @@ class AbortRecord:
 
 
 @dataclass(frozen=True)
+class MembershipChange:
+    """A membership change one attempt of a step went through (live mode), same on survivors.
+
+    ``operation`` is the collective that failed; ``epoch``/``members`` the membership the
+    step went on with; ``outcome`` is ``"finalised"`` (another survivor confirmed the step:
+    this rank kept its update), ``"restored"`` (this rank rolled its update back from the
+    shadow; the step is redone) or ``"redo"`` (nothing was applied; the step is redone).
+    ``reform_ns`` is the time in ``Reducer.reform`` (ack, agreement, group rebuild);
+    ``ettr_ns`` from detection to ready-to-redo.
+    """
+
+    attempt: int
+    operation: str
+    cause: str
+    old_epoch: int
+    epoch: int
+    members: tuple[int, ...]
+    resume_step: int
+    outcome: str
+    reform_ns: int
+    ettr_ns: int
+
+
+@dataclass(frozen=True)
 class StepResult:
     """Outcome of :meth:`MTGS.step`.
 
@@ -40,6 +64,8 @@ class StepResult:
     loss: torch.Tensor | None
     recovery_ns: int
     step_ns: int
+    membership_changes: tuple[MembershipChange, ...] = ()
+    """Live mode: the membership changes this step went through (each redid the step)."""
 
     @property
     def retries(self) -> int:

@@ -59,7 +59,14 @@ from lm_resiliency.transactions import fallback, health
 from lm_resiliency.transactions.hook import MTGSState, mtgs_comm_hook
 from lm_resiliency.transactions.mtgs_config import ExhaustedPolicy, MTGSConfig
 from lm_resiliency.transactions.reasons import AbortReason, decode_codes, describe, reason_names
-from lm_resiliency.transactions.result import AbortRecord, StepResult
+from lm_resiliency.transactions.reducer import (
+    LossReport,
+    MembershipLoss,
+    Reducer,
+    exchange_live,
+    live_codes,
+)
+from lm_resiliency.transactions.result import AbortRecord, MembershipChange, StepResult
 from lm_resiliency.transactions.shadow import Shadow
 from lm_resiliency.transactions.vote import CollectiveCounter, exchange_codes
 
@@ -84,6 +91,16 @@ class _AbortedError(Exception):
         self.detected_ns = detected_ns
 
 
+class _MembershipChanged(Exception):
+    """Internal (live mode): a collective of this attempt lost a replica; reform and redo."""
+
+    def __init__(self, operation: str, cause: str, detected_ns: int) -> None:
+        super().__init__(operation)
+        self.operation = operation
+        self.cause = cause
+        self.detected_ns = detected_ns
+
+
 class MTGS:
     """Step transactions for one DDP model, its optimizer and optional LR scheduler.
 
@@ -97,6 +114,14 @@ class MTGS:
     ``health_check(loss)`` returns ``False`` (or a false boolean tensor, read
     without a host sync) to vote abort. ``committed_steps`` is the number of
     steps already done (after a restart); step numbers are 1-based.
+
+    ``reducer`` (default: the DDP model's group, today's behaviour) is where the comm hook
+    and the commit confirmation reduce (:mod:`lm_resiliency.transactions.reducer`). With a
+    *live* reducer a lost replica is a membership change, not the end of the job: the step
+    is aborted on every survivor, the reducer reforms under the next epoch and the step is
+    redone (at most ``max_membership_changes`` times per step, default the reducer's
+    ``slots``; they do not count against ``max_retries``). Live mode needs
+    ``two_phase_commit`` and ``shadow``.
 
     Raises ``ConfigError`` for a model MTGS cannot make atomic (not DDP,
     ``find_unused_parameters``, ``static_graph``, another comm hook).
@@ -117,6 +142,8 @@ class MTGS:
         events: EventLog | None = None,
         ettr: EttrTimer | None = None,
         committed_steps: int = 0,
+        reducer: Reducer | None = None,
+        max_membership_changes: int | None = None,
     ) -> None:
         if not isinstance(model, DistributedDataParallel):
             raise ConfigError(
@@ -136,6 +163,13 @@ class MTGS:
         self.faults = faults
         self.events = events
         self.group = model.process_group
+        self.reducer = reducer
+        self._live = reducer is not None and reducer.live
+        self.max_membership_changes = _membership_budget(
+            reducer, max_membership_changes, self.config
+        )
+        self.membership_changes = 0
+        """Membership changes this transaction went through (every step together)."""
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.ettr = ettr if ettr is not None else EttrTimer(self.rank)
@@ -194,17 +228,27 @@ class MTGS:
         if self.shadow is not None:
             self.shadow.begin()
         aborts: list[AbortRecord] = []
+        changes: list[MembershipChange] = []
         last: _AbortedError | None = None
         data_after: dict[str, Any] | None = None
         self._local_error = None
-        for attempt in range(self.config.max_retries + 1):
+        attempt = 0
+        while len(aborts) <= self.config.max_retries:
             try:
                 loss = self._attempt(closure, step, attempt, micro_batches)
             except _AbortedError as abort:
                 last = abort
                 data_after = self.data_state.state_dict() if self.data_state else None
                 aborts.append(self._recover(abort, step, attempt, rng, data))
+                attempt += 1
                 continue
+            except _MembershipChanged as change:
+                record = self._change_membership(change, step, attempt, len(changes), rng, data)
+                changes.append(record)
+                attempt += 1
+                if record.outcome != "finalised":
+                    continue
+                loss = self._last_loss  # another survivor confirmed this attempt's update
             self.committed_steps = step
             return self._result(
                 step,
@@ -213,6 +257,7 @@ class MTGS:
                 aborts=aborts,
                 loss=loss,
                 start_ns=start_ns,
+                changes=changes,
             )
         assert last is not None
         if self.config.on_exhausted is ExhaustedPolicy.SKIP:
@@ -223,10 +268,11 @@ class MTGS:
             return self._result(
                 step,
                 committed=False,
-                attempts=len(aborts),
+                attempts=attempt,
                 aborts=aborts,
                 loss=None,
                 start_ns=start_ns,
+                changes=changes,
             )
         raise StepAborted(
             f"step {step} aborted on every rank after {len(aborts)} attempt(s) "
@@ -388,7 +434,11 @@ class MTGS:
                     "with gradient synchronisation (not inside DDP.no_sync()) and the hook must be "
                     "registered with this MTGS's hook state"
                 )
-            codes = decode_codes(reduced)
+            codes = (
+                live_codes(reduced, self.reducer)
+                if self.reducer is not None and self._live
+                else decode_codes(reduced)
+            )
         else:
             if code == 0 and not health.all_finite(
                 [p.grad for p in self._params if p.grad is not None]
@@ -419,6 +469,10 @@ class MTGS:
             try:
                 codes = self._exchange(code, step, "commit confirmation all-reduce")
                 self.counters.commit_confirmations += 1
+            except _MembershipChanged:
+                # Live mode: keep the update and the shadow until the next epoch's record
+                # says whether another survivor confirmed the step (design §4.2/§4.3).
+                raise
             except (StepAborted, CollectiveTimeout):
                 if self.shadow is not None and self._applied:
                     self.shadow.restore()  # survivors keep no partial update
@@ -540,6 +594,101 @@ class MTGS:
             ettr_ns=event.duration_ns,
         )
 
+    def _change_membership(
+        self,
+        change: _MembershipChanged,
+        step: int,
+        attempt: int,
+        earlier: int,
+        rng: RngState,
+        data: dict[str, Any] | None,
+    ) -> MembershipChange:
+        """Live mode: report, reform under the next epoch, then finalise or roll back the step.
+
+        Every survivor runs it (design §4.2). ``resume_step`` of the new epoch decides: equal
+        to ``step``, another survivor confirmed this step, so this rank keeps its update
+        (``"finalised"``); equal to ``step - 1``, the step is redone, from the shadow if this
+        rank had applied it (``"restored"``) or from the unchanged state (``"redo"``).
+        """
+        assert self.reducer is not None
+        applied = step if self._applied else None
+        self._zero_grad()
+        fallback.reset_reducer(self.model)  # symmetric on every survivor
+        if earlier >= self.max_membership_changes:
+            if applied is not None and self.shadow is not None:
+                self.shadow.restore()
+            raise StepAborted(
+                f"step {step}: {earlier + 1} membership changes in one step "
+                f"(max_membership_changes={self.max_membership_changes}); the last one: the "
+                f"{change.operation} failed ({change.cause}); this rank keeps the state from "
+                f"before step {step}; raise max_membership_changes or check the replicas",
+                step=step,
+            )
+        report = LossReport(
+            committed=self.committed_steps,
+            applied=applied,
+            shadow_of=step if self.shadow is not None else None,
+            in_flight=step,
+        )
+        old_epoch = self.reducer.epoch
+        reform_start = time.perf_counter_ns()
+        reformed = self.reducer.reform(report)
+        reform_ns = time.perf_counter_ns() - reform_start
+        restored = 0
+        if reformed.resume_step == step and applied == step:
+            outcome = "finalised"
+        elif reformed.resume_step == step - 1:
+            if applied is not None:
+                assert self.shadow is not None  # live mode requires the shadow
+                self.shadow.restore()
+                restored = self.shadow.nbytes
+                outcome = "restored"
+            else:
+                if self.shadow is not None:
+                    self.shadow.restore_buffers()
+                outcome = "redo"
+            rng.restore()
+            if self.data_state is not None and data is not None:
+                self.data_state.load_state_dict(copy.deepcopy(data))
+        else:
+            raise ResiliencyError(
+                f"step {step}: epoch {reformed.epoch} resumes after step {reformed.resume_step}, "
+                f"but this rank committed step {self.committed_steps} and "
+                + (f"applied step {applied}" if applied is not None else "applied nothing")
+                + "; the coordinator's record contradicts this rank's state (a bug), stopping"
+            )
+        self.membership_changes += 1
+        event = self.ettr.record(
+            "membership",
+            step=step,
+            attempt=attempt,
+            detected_ns=change.detected_ns,
+            reasons=change.cause,
+            restored_bytes=restored,
+        )
+        self._log(
+            "mtgs.membership_change",
+            step=step,
+            attempt=attempt,
+            epoch=reformed.epoch,
+            members=list(reformed.members),
+            resume_step=reformed.resume_step,
+            outcome=outcome,
+            ettr_ns=event.duration_ns,
+        )
+        return MembershipChange(
+            attempt=attempt,
+            operation=change.operation,
+            cause=change.cause,
+            old_epoch=old_epoch,
+            epoch=reformed.epoch,
+            members=reformed.members,
+            resume_step=reformed.resume_step,
+            outcome=outcome,
+            reform_ns=reform_ns,
+            ettr_ns=event.duration_ns,
+        )
+
     def _zero_grad(self) -> None:
         for p in self.model.module.parameters():
             p.grad = None
@@ -554,8 +703,13 @@ class MTGS:
                     f"hook_state.carry_vote={hook_state.carry_vote} contradicts "
                     f"MTGSConfig.vote_in_hook={carry}; create MTGSState(carry_vote={carry})"
                 )
+            if self.reducer is not None and hook_state.reducer is not self.reducer:
+                raise ConfigError(
+                    "hook_state reduces through another reducer than MTGS(reducer=...); "
+                    "create MTGSState(reducer=the same reducer)"
+                )
             return hook_state
-        state = MTGSState(self.group, carry_vote=carry)
+        state = MTGSState(self.group, carry_vote=carry, reducer=self.reducer)
         try:
             self.model.register_comm_hook(state, mtgs_comm_hook)
         except RuntimeError as exc:
@@ -567,6 +721,8 @@ class MTGS:
 
     def _exchange(self, code: int, step: int, operation: str) -> dict[int, int]:
         try:
+            if self.reducer is not None and self._live:
+                return exchange_live(code, self.reducer, self._device)
             return exchange_codes(
                 code,
                 group=self.group,
@@ -578,7 +734,20 @@ class MTGS:
             raise
 
     def _raise_if_comm(self, exc: BaseException, step: int, operation: str) -> None:
-        """Turn a failed collective into the error that ends this process."""
+        """Turn a failed collective into the error that ends this process.
+
+        In live mode it is a membership change instead (``_MembershipChanged``): this
+        attempt's epoch lost a replica, the step is redone under the next one.
+        """
+        if self._live and (
+            isinstance(exc, MembershipLoss)
+            or isinstance(self.hook.failure, MembershipLoss)
+            or health.is_communication_error(exc)
+        ):
+            cause = self.hook.failure if self.hook.failure is not None else exc
+            error = str(cause)[:500]
+            self._log("mtgs.membership_loss", step=step, operation=operation, error=error)
+            raise _MembershipChanged(operation, _first_line(cause), time.perf_counter_ns()) from exc
         if not health.is_communication_error(exc):
             return
         self._zero_grad()
@@ -612,8 +781,9 @@ class MTGS:
         aborts: list[AbortRecord],
         loss: torch.Tensor | None,
         start_ns: int,
+        changes: list[MembershipChange] | None = None,
     ) -> StepResult:
-        if aborts:
+        if aborts or changes:
             self._log("mtgs.commit" if committed else "mtgs.skipped", step=step, attempts=attempts)
         return StepResult(
             step=step,
@@ -623,6 +793,7 @@ class MTGS:
             loss=loss,
             recovery_ns=sum(a.ettr_ns for a in aborts),
             step_ns=time.perf_counter_ns() - start_ns,
+            membership_changes=tuple(changes or ()),
         )
 
     def _log(self, event: str, **fields: Any) -> None:
@@ -638,6 +809,30 @@ class MTGS:
             where=where,
             error=f"{type(exc).__name__}: {exc}"[:500],
         )
+
+
+def _membership_budget(reducer: Reducer | None, given: int | None, config: MTGSConfig) -> int:
+    if reducer is None or not reducer.live:
+        if given is not None:
+            raise ConfigError(
+                f"max_membership_changes={given} needs a live reducer (MTGS(reducer=...)); "
+                "without live membership a lost peer ends the job"
+            )
+        return 0
+    if not (config.two_phase_commit and config.shadow):
+        raise ConfigError(
+            f"live membership needs MTGSConfig(two_phase_commit=True, shadow=True), got "
+            f"two_phase_commit={config.two_phase_commit}, shadow={config.shadow}: a survivor "
+            "that applied the lost step must be able to roll it back until the next epoch "
+            "says whether any survivor confirmed it"
+        )
+    budget = reducer.slots if given is None else given
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ConfigError(
+            f"max_membership_changes={given!r} must be an int >= 0 (membership changes one "
+            "step may go through), e.g. the replica count"
+        )
+    return budget
 
 
 def _as_loss(value: object, model_calls: int, micro_batches: int) -> torch.Tensor:
