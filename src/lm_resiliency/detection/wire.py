@@ -279,7 +279,7 @@ class Channel:
         raw = report.pack()
         mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         out = torch.empty(len(self.group_ranks) * len(raw), dtype=torch.uint8)
-        work = dist.all_gather_into_tensor(out, mine, group=self.group, async_op=True)
+        work = dist.all_gather_single(out, mine, group=self.group, async_op=True)
         self.bytes_exchanged += len(raw) * len(self.group_ranks)
         return PendingReports(self.group_ranks, out, work)
 
