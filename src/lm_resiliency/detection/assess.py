@@ -26,6 +26,9 @@ from lm_resiliency.detection.verdict import (
 from lm_resiliency.detection.wire import CLASSES, RankReport, RunState
 from lm_resiliency.errors import ResiliencyError
 
+#: Ranks a straggler cohort needs (replays of one recipe compared inside a group).
+_MIN_COHORT = 3
+
 SHORT = {"dense": "dense", "optimizer": "opt", "dynamic": "dyn"}
 
 
@@ -129,6 +132,8 @@ def _suspects(
                 cohorts[(name, c.recipe, c.extra, c.signature)][rank] = c.seconds
     worst: dict[int, tuple[float, float, float]] = {}
     for times in cohorts.values():
+        if len(times) < _MIN_COHORT:
+            continue  # one peer is no reference: either of two could be the slow one
         for rank, slowdown in straggler_suspects(times, rule).items():
             med = times[rank] / slowdown
             if rank not in worst or slowdown > worst[rank][0]:

@@ -559,7 +559,8 @@ class Scout:
         self._frontier_value = frontier
         if inf.gate is not None:
             inf.gate.decide(result.capture_allowed, result.reason or "refused")
-        if inf.captured and result.capture_allowed:
+        committed = inf.gate is None or inf.gate.accepted is True
+        if inf.captured and result.capture_allowed and committed:
             self._certify_capture(step)
         self._pending = self._next_regular_spec()
         if self.recorder is not None:
