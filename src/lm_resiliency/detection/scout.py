@@ -469,6 +469,7 @@ class Scout:
             step=(inf.step, inf.step),
             nondeterministic=block if dense.outcome is Outcome.NONDETERMINISTIC else -1,
             unreplayable=block if unreplayable else -1,
+            corrupt_group=gi if sdc or inconclusive else -1,
         )
         job = Flags.of_words(self.channel.agree(mine.words()))
         if job.seq[0] != job.seq[1] or job.step[0] != job.step[1]:
@@ -482,12 +483,15 @@ class Scout:
     def _job_wide(self, result: ScoutResult, flags: Flags) -> ScoutResult:
         """This group's result with what the other groups found (from the flags)."""
         status, reasons = result.status, [result.reason] if result.reason else []
+        where = "another comparison group"
+        if flags.corrupt_group >= 0:
+            where = f"comparison group {list(self.groups.groups[flags.corrupt_group])}"
         if flags.sdc and status is not ScoutStatus.SDC:
             status = ScoutStatus.SDC
-            reasons.append("SDC found in another comparison group")
+            reasons.append(f"SDC found in {where}")
         elif flags.inconclusive and not status.corrupt:
             status = ScoutStatus.INCONCLUSIVE
-            reasons.append("inconclusive comparison in another comparison group")
+            reasons.append(f"inconclusive comparison in {where}")
         elif flags.straggler and status is ScoutStatus.HEALTHY and not result.stragglers:
             status = ScoutStatus.STRAGGLER
             reasons.append("straggler in another comparison group")

@@ -153,7 +153,7 @@ class PendingReports:
 
 
 #: Words of the job-wide flags all-reduce (see :class:`Flags`).
-FLAG_WORDS = 14
+FLAG_WORDS = 15
 _BIG = 1 << 62
 
 
@@ -193,6 +193,8 @@ class Flags:
     nondeterministic: int = -1
     unreplayable: int = -1
     incomplete: bool = False
+    corrupt_group: int = -1
+    """The highest index of a comparison group that found SDC or was inconclusive, or -1."""
 
     def words(self) -> list[int]:
         return [
@@ -210,6 +212,7 @@ class Flags:
             self.nondeterministic,
             self.unreplayable,
             int(self.incomplete),
+            self.corrupt_group,
         ]
 
     @classmethod
@@ -227,6 +230,7 @@ class Flags:
             nondeterministic=w[11],
             unreplayable=w[12],
             incomplete=bool(w[13]),
+            corrupt_group=w[14],
         )
 
 
