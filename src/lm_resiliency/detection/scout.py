@@ -506,13 +506,14 @@ class Scout:
     def _check(self, step: int, classes: set[str], *, pipelined: bool = False) -> ScoutResult:
         self.resolve()
         t0 = time.perf_counter()
+        bytes0 = self.channel.bytes_exchanged  # the spec travelled for this check
         pending = self._pending if self._pending is not None else self._next_regular_spec()
         self._pending = None
         self._seq += 1
         spec = pending.result()
         wait_s = time.perf_counter() - t0
         inf = self._post(step, spec, classes)
-        inf.t0, inf.timings["exchange"] = t0, wait_s
+        inf.t0, inf.bytes0, inf.timings["exchange"] = t0, bytes0, wait_s
         self._inflight = inf
         if pipelined:
             return ScoutResult(step=step, status=ScoutStatus.HEALTHY, reason="verdict pending")
