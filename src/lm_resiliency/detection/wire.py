@@ -136,7 +136,7 @@ class PendingSpec:
 class PendingReports:
     """A group's report all-gather in flight (started with :meth:`Channel.post_reports`)."""
 
-    def __init__(self, ranks: tuple[int, ...], out: torch.Tensor, work: Any) -> None:
+    def __init__(self, ranks: tuple[int, ...], out: list[torch.Tensor], work: Any) -> None:
         self._ranks, self._out, self._work = ranks, out, work
         self._done: dict[int, RankReport] | None = None
 
@@ -144,10 +144,9 @@ class PendingReports:
         """Wait for the all-gather; the reports by global rank (idempotent)."""
         if self._done is None:
             self._work.wait()
-            raw = bytes(self._out.numpy().tobytes())
             self._done = {
-                r: RankReport.unpack(raw[i * REPORT_BYTES : (i + 1) * REPORT_BYTES])
-                for i, r in enumerate(self._ranks)
+                r: RankReport.unpack(bytes(t.numpy().tobytes()))
+                for r, t in zip(self._ranks, self._out, strict=True)
             }
         return self._done
 
@@ -282,8 +281,9 @@ class Channel:
         """
         raw = report.pack()
         mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        out = torch.empty(len(self.group_ranks) * len(raw), dtype=torch.uint8)
-        work = dist.all_gather_single(out, mine, group=self.group, async_op=True)
+        out = [torch.empty(len(raw), dtype=torch.uint8) for _ in self.group_ranks]
+        # The list form: Gloo runs it on its own threads (the fused one blocks here).
+        work = dist.all_gather(out, mine, group=self.group, async_op=True)
         self.bytes_exchanged += len(raw) * len(self.group_ranks)
         return PendingReports(self.group_ranks, out, work)
 
