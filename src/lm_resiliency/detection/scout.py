@@ -84,6 +84,9 @@ class _Inflight:
     gate: CommitGate | None = None
     captured: bool = False
     """``after_capture(step)`` ran: certify the capture when the verdict is clean."""
+    judged: tuple[Any, ...] | None = None
+    """After :meth:`Scout._judge`: the assessment, the reports, the state to undo for a
+    re-run, and the flags all-reduce in flight."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -420,14 +423,31 @@ class Scout:
         timings = {"replay": t1 - t0, "exchange": 0.0, "post": time.perf_counter() - t1}
         return _Inflight(step, classes, spec, done, posted, t0, bytes0, timings)
 
-    def _settle(self, inf: _Inflight) -> tuple[Assessment, dict[int, RankReport], Flags, bool]:
-        """Wait for the group's reports, judge the group, agree job-wide; re-run on anomalies."""
+    def _judge(self, inf: _Inflight) -> None:
+        """Wait for the group's reports, judge the group, post the job's flags all-reduce.
+
+        The group all-gather waits for the group's slowest replay (bounded by the
+        group's size); the all-reduce over the job travels in the background until
+        :meth:`_settle` (the next pre-step hook when pipelined).
+        """
+        if inf.judged is not None:
+            return
         t0 = time.perf_counter()
         first = inf.reports.result()
         check_consistent(first, self.groups)
         a = assess(first, self.groups, self.rule)
         saved = self.coverage.snapshot(), self.cycles.snapshot()
-        flags = self._agree(inf, a, first)
+        pending = self.channel.post_agree(self._flags(inf, a, first).words())
+        inf.judged = (a, first, saved, pending)
+        inf.timings["exchange"] += time.perf_counter() - t0
+
+    def _settle(self, inf: _Inflight) -> tuple[Assessment, dict[int, RankReport], Flags, bool]:
+        """The job-wide verdict of ``inf``: its flags; a re-run (job-wide) on anomalies."""
+        self._judge(inf)
+        assert inf.judged is not None
+        t0 = time.perf_counter()
+        a, first, saved, pending = inf.judged
+        flags = self._agreed(pending.result())
         rerun = flags.anomaly
         if rerun:  # decided job-wide: a replay may be collective (FSDP2 all-gathers)
             self.coverage.restore(saved[0])
@@ -439,14 +459,14 @@ class Scout:
             inf.timings["replay"] += t2 - t1
             t0 += t2 - t1
             a = assess(first, self.groups, self.rule, second)
-            flags = self._agree(inf, a, first)
+            flags = self._agreed(self.channel.agree(self._flags(inf, a, first).words()))
         inf.timings["exchange"] += time.perf_counter() - t0
         for cls, text in inf.done.errors.items():
             log.warning("rank %d: SCOUT %s replay failed: %s", self.rank, cls, text)
         return a, first, flags, rerun
 
-    def _agree(self, inf: _Inflight, a: Assessment, reports: dict[int, RankReport]) -> Flags:
-        """Credit this group's recipes and cycle, then the job-wide flags all-reduce."""
+    def _flags(self, inf: _Inflight, a: Assessment, reports: dict[int, RankReport]) -> Flags:
+        """Credit this group's recipes and cycle; this rank's contribution to the flags."""
         gi = self.groups.index_of(self.rank)
         self.coverage.credit(inf.step, a, reports, inf.classes)
         sdc, inconclusive = bool(a.outcomes(Outcome.SDC)), bool(a.outcomes(Outcome.INCONCLUSIVE))
@@ -457,7 +477,7 @@ class Scout:
         block = reports[self.groups.groups[gi][0]].of("dense").recipe
         failed = "failed on every peer" in dense.detail
         unreplayable = dense.outcome is Outcome.NO_EVIDENCE and failed
-        mine = Flags(
+        return Flags(
             sdc=sdc,
             inconclusive=inconclusive,
             anomaly=a.anomalies(),
@@ -471,7 +491,10 @@ class Scout:
             unreplayable=block if unreplayable else -1,
             corrupt_group=gi if sdc or inconclusive else -1,
         )
-        job = Flags.of_words(self.channel.agree(mine.words()))
+
+    @staticmethod
+    def _agreed(words: list[int]) -> Flags:
+        job = Flags.of_words(words)
         if job.seq[0] != job.seq[1] or job.step[0] != job.step[1]:
             raise ResiliencyError(
                 f"SCOUT ranks are at different checks: sequence {job.seq[0]}..{job.seq[1]}, step "
@@ -516,6 +539,7 @@ class Scout:
         inf.t0, inf.bytes0, inf.timings["exchange"] = t0, bytes0, wait_s
         self._inflight = inf
         if pipelined:
+            self._judge(inf)  # the group's verdict now; the job's flags travel meanwhile
             return ScoutResult(step=step, status=ScoutStatus.HEALTHY, reason="verdict pending")
         return self._resolve()
 

@@ -151,6 +151,20 @@ class PendingReports:
         return self._done
 
 
+class PendingMax:
+    """A job-wide all-reduce (max) in flight (started with :meth:`Channel.post_agree`)."""
+
+    def __init__(self, t: torch.Tensor, work: Any) -> None:
+        self._t, self._work = t, work
+        self._done: list[int] | None = None
+
+    def result(self) -> list[int]:
+        if self._done is None:
+            self._work.wait()
+            self._done = [int(v) for v in self._t.tolist()]
+        return self._done
+
+
 #: Words of the job-wide flags all-reduce (see :class:`Flags`).
 FLAG_WORDS = 15
 _BIG = 1 << 62
@@ -296,6 +310,15 @@ class Channel:
         if len(flags) != FLAG_WORDS:
             raise ResiliencyError(f"SCOUT flags have {len(flags)} words, expected {FLAG_WORDS}")
         return self.agree_max(flags)
+
+    def post_agree(self, flags: list[int]) -> PendingMax:
+        """Collective over the job: start :meth:`agree`; ``result()`` gives the maximum."""
+        if len(flags) != FLAG_WORDS:
+            raise ResiliencyError(f"SCOUT flags have {len(flags)} words, expected {FLAG_WORDS}")
+        t = torch.tensor(flags, dtype=torch.int64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world, async_op=True)
+        self.bytes_exchanged += FLAG_WORDS * 8
+        return PendingMax(t, work)
 
     def agree_max(self, values: list[int]) -> list[int]:
         """Collective over the job: the element-wise maximum of every rank's int64 ``values``."""
