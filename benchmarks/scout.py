@@ -507,10 +507,10 @@ def _print(m: dict[str, Any]) -> None:
         f" {m['fixed_s_mean'] * 1e3:.2f} ms (target <= 0.3 ms), hooks"
         f" {m['hook_s_per_step'] * 1e6:.1f} us/step"
     )
-    if m["floor_overhead"] > 0.01:
+    if 1.3 * m["floor_overhead"] > 0.01:
         print(
-            f"  the floor alone is {m['floor_overhead'] * 100:.2f} % of the step (> 1 %):"
-            " that is this model's floor at this interval, not SCOUT's overhead"
+            f"  1.3x the floor is {1.3 * m['floor_overhead'] * 100:.2f} % of the step (> 1 %):"
+            " that is this model's floor at this interval, not a defect of SCOUT"
         )
     print(
         f"  bytes per check {m['bytes_per_check_median']:.0f}; re-runs"
