@@ -36,25 +36,81 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lm_resiliency import InMemoryCkptConfig
+from lm_resiliency.capture.gate import CommitGate
+from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.demo import training as demo
-from lm_resiliency.detection import Scout, ScoutConfig, ScoutStatus
+from lm_resiliency.detection import Scout, ScoutConfig
 from lm_resiliency.detection.replay import draw_inputs, flatten_tensors, module_device, replay
 from lm_resiliency.detection.signature import CallSignature, decode, encode
 from lm_resiliency.faults import ComputeFaults, PersistentSDC
 from lm_resiliency.models import GPTConfig, SyntheticTokens, TinyGPT
+from lm_resiliency.recovery.mode import RecoveryMode
 from lm_resiliency.testing import run_distributed
 
 INTERVAL = 10
-MODELS = {
+MODELS: dict[str, GPTConfig | None] = {
     "demo": demo.MODEL,  # the demo's GPT: 2 layers, width 64
     "wider": GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=8, n_embd=256),
+    "mlp": None,  # heterogeneous layers: see hetero_mlp()
 }
+
+
+def hetero_mlp() -> torch.nn.Module:
+    """An MLP whose parameterised layers all differ (five recipes, no embedding or head)."""
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Linear(128, 512),
+        nn.GELU(),
+        nn.Linear(512, 256),
+        nn.LayerNorm(256),
+        nn.Linear(256, 384),
+        nn.Tanh(),
+        nn.Linear(384, 16),
+    )
+
+
+class _MLPData:
+    """Rank-specific random regression batches; the generator's position is the state."""
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self.gen = torch.Generator().manual_seed(10_000 * seed + rank)
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(64, 128, generator=self.gen), torch.randn(64, 16, generator=self.gen)
+
+
+class HoldSink:
+    """A trust sink that holds captures (what GEMINI's ``manager.trust`` offers), no storage.
+
+    Lets the benchmark time SCOUT's pipelined verdict alone: the boundary part in
+    ``before_capture`` and the rest in ``resolve`` at the next pre-step point.
+    """
+
+    def hold(self, step: int, resolve: Any) -> CommitGate:
+        return CommitGate(step, resolve)
+
+    def certify(self, step: int, trust: Any, *, persist: bool = True) -> None:
+        return None
+
+    def reject(self, step: int, *, reason: str) -> None:
+        return None
+
+    def require_verified_recovery(self, step: int, *, reason: str) -> None:
+        return None
+
+    def clear_recovery_verdict(self) -> None:
+        return None
+
+    def recovery_verdict(self) -> None:
+        return None
 
 
 class Trainer:
@@ -63,19 +119,26 @@ class Trainer:
     def __init__(self, seed: int, *, rank: int, world_size: int, model: str = "demo") -> None:
         cfg = MODELS[model]
         torch.manual_seed(seed)
-        self.ddp = torch.nn.parallel.DistributedDataParallel(
-            TinyGPT(cfg), bucket_cap_mb=demo.BUCKET_CAP_MB
-        )
+        self.mlp = cfg is None
+        net = hetero_mlp() if cfg is None else TinyGPT(cfg)
+        self.ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=demo.BUCKET_CAP_MB)
         self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=demo.LR)
-        seq = min(cfg.block_size, 2 * demo.SEQ_LEN)
-        self.data = SyntheticTokens(
-            seed, demo.BATCH, seq, cfg.vocab_size, rank=rank, world_size=world_size
-        )
+        self.data: Any
+        if cfg is None:
+            self.data = _MLPData(seed, rank)
+        else:
+            seq = min(cfg.block_size, 2 * demo.SEQ_LEN)
+            self.data = SyntheticTokens(
+                seed, demo.BATCH, seq, cfg.vocab_size, rank=rank, world_size=world_size
+            )
         torch.manual_seed(seed * 7919 + 1 + rank)
 
     def forward_backward(self) -> None:
         inputs, targets = next(self.data)
-        self.ddp(inputs, targets).backward()
+        if self.mlp:
+            torch.nn.functional.mse_loss(self.ddp(inputs), targets).backward()
+        else:
+            self.ddp(inputs, targets).backward()
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -87,16 +150,27 @@ def _paused(scout: Scout, paused: bool) -> None:
         r.paused = paused
 
 
-def _overhead(rank: int, world: int, rounds: int, steps: int, model: str) -> dict[str, Any]:
+def _overhead(
+    rank: int, world: int, rounds: int, steps: int, model: str, pipeline: bool
+) -> dict[str, Any]:
     trainer = Trainer(0, rank=rank, world_size=world, model=model)
-    scout = Scout(ScoutConfig(interval=INTERVAL), trainer.ddp)
+    sink = HoldSink() if pipeline else None
+    scout = Scout(ScoutConfig(interval=INTERVAL, pipeline=pipeline), trainer.ddp, manager=sink)
+    world_pg = scout.channel.world
     times: dict[str, list[float]] = {"off": [], "on": []}
-    checks: list[float] = []
-    aligned: list[float] = []
+    aligned: list[float] = []  # SCOUT's blocking time per check, each part after a barrier
+    exchange: list[float] = []  # of which waiting for the exchange (reports + flags)
     bytes_per_check: list[int] = []
     reruns = 0
     statuses: list[str] = []
     step = 0
+
+    def timed(fn: Any) -> tuple[float, Any]:
+        dist.barrier(group=world_pg)  # SCOUT's own cost, without the peers' arrival skew
+        c0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - c0, out
+
     for _ in range(3):  # warm-up: DDP's bucket rebuild, allocator, first replays
         step += 1
         trainer.forward_backward()
@@ -105,39 +179,54 @@ def _overhead(rank: int, world: int, rounds: int, steps: int, model: str) -> dic
     for _ in range(rounds):
         for mode in ("off", "on"):
             _paused(scout, mode == "off")
+            blocking = 0.0
             for _ in range(steps):
                 step += 1
                 t0 = time.perf_counter()
                 trainer.forward_backward()
-                trainer.optimizer_step()
-                if mode == "on" and step % INTERVAL == 0:
-                    c0 = time.perf_counter()
-                    r = scout.check(step)
-                    checks.append(time.perf_counter() - c0)
+                spent = 0.0
+                if scout.pending is not None:  # the pre-step hook: resolve the verdict
+                    b0 = time.perf_counter()
+                    dt, r = timed(scout.resolve)
+                    spent += time.perf_counter() - b0 - dt
+                    if mode == "off":  # the last "on" boundary's verdict: not this phase's
+                        spent += dt
+                    blocking += dt
+                    aligned.append(blocking)
+                    exchange.append(r.timings["exchange"])
                     bytes_per_check.append(r.bytes_exchanged)
                     reruns += r.rerun
                     statuses.append(r.status.value)
-                    times[mode].append(time.perf_counter() - t0)
-                    # SCOUT's own cost without the peers' arrival skew: align, check again.
-                    dist.barrier(group=scout.channel.world)
-                    c1 = time.perf_counter()
-                    scout.check(step)
-                    aligned.append(time.perf_counter() - c1)
-                    continue
-                times[mode].append(time.perf_counter() - t0)
+                trainer.optimizer_step()
+                if mode == "on" and step % INTERVAL == 0:
+                    b0 = time.perf_counter()
+                    if pipeline:
+                        dt, _ = timed(lambda s=step: scout.before_capture(s))
+                        blocking = dt
+                    else:
+                        dt, r = timed(lambda s=step: scout.check(s))
+                        aligned.append(dt)
+                        exchange.append(r.timings["exchange"])
+                        bytes_per_check.append(r.bytes_exchanged)
+                        reruns += r.rerun
+                        statuses.append(r.status.value)
+                    spent += time.perf_counter() - b0 - dt  # the barrier is not SCOUT's
+                times[mode].append(time.perf_counter() - t0 - spent)
+    scout.resolve()
     _paused(scout, False)
     hook = _hook_cost(trainer, scout)
     floor = _floor(scout)
     scout.close()
     return {
         "times": times,
-        "checks": checks,
         "aligned": aligned,
+        "exchange": exchange,
         "bytes": bytes_per_check,
         "reruns": reruns,
         "statuses": statuses,
         "hook_s": hook,
         "blocks": len(scout.blocks),
+        "recipes": scout.coverage.recipes(),
         "floor": floor,
     }
 
@@ -245,49 +334,85 @@ def _hook_cost(trainer: Trainer, scout: Scout) -> float:
     return (time.perf_counter() - t0) / (rounds * INTERVAL)
 
 
-def _latency(rank: int, world: int, trials: int, seed: int) -> list[dict[str, Any]]:
+def _latency(rank: int, world: int, trials: int, seed: int, folder: str) -> list[dict[str, Any]]:
+    """Per trial: a device fault (every block) or a layer fault (one random block) on rank 1.
+
+    GEMINI captures every ``INTERVAL`` steps with SCOUT certifying them. After the
+    SDC is found, the job recovers the newest verified step (the fault is gone, as
+    after replacing the device) and trains on until a capture is verified again.
+    """
     rng = random.Random(seed)
     out = []
     for trial in range(trials):
+        kind = "device" if trial % 2 == 0 else "layer"
         trainer = Trainer(trial, rank=rank, world_size=world)
-        scout = Scout(ScoutConfig(interval=INTERVAL), trainer.ddp)
-        block = rng.randrange(len(scout.blocks))
-        onset = rng.randrange(5, 60)
+        cfg = InMemoryCkptConfig(
+            interval=INTERVAL, disk_folder=folder, run_id=f"lat-{seed}-{trial}", signal_flush=False
+        )
+        manager = InMemoryCheckpointManager(cfg)
+        scout = Scout(ScoutConfig(pipeline=True), trainer.ddp, manager=manager.trust)
+        blocks = (
+            range(len(scout.blocks)) if kind == "device" else [rng.randrange(len(scout.blocks))]
+        )
+        onset = rng.randrange(70, 100)  # after the first verified step (a rotation)
         faults = ComputeFaults(
-            [PersistentSDC(rank=1, module=scout.blocks[block].module, from_step=onset)],
+            [PersistentSDC(rank=1, module=scout.blocks[b].module, from_step=onset) for b in blocks],
             rank=rank,
         )
         faults.arm()
         faults.install(trainer.optimizer)
-        found = None
-        for step in range(1, onset + INTERVAL * (len(scout.blocks) + 1) + 1):
+        model, opt = trainer.ddp.module, trainer.optimizer
+        found = recovered = again = None
+        step, trained = 0, 0
+        limit = onset + 4 * INTERVAL * (len(scout.blocks) + 1)
+        while trained < limit and again is None:
+            step += 1
+            trained += 1
             trainer.forward_backward()
+            manager.maybe_wait()  # resolves the previous boundary's verdict
+            last = scout.last_result
+            if found is None and last is not None and last.status.corrupt:
+                found = last.step
+                faults.remove()  # the device is replaced
+                v = manager.find_latest(RecoveryMode.RECOVERY_VERIFIED)
+                assert v is not None, "no verified step to recover"
+                tree = manager.load(v, mode=RecoveryMode.RECOVERY_VERIFIED)
+                model.load_state_dict(tree["model"])
+                opt.load_state_dict(tree["optimizer"])
+                scout.recovered(v, verified=True)
+                recovered, step = v, v
+                opt.zero_grad(set_to_none=True)
+                continue
+            verified = scout.certifier.verified
+            if recovered is not None and verified is not None and verified > recovered:
+                again = trained
+                break
             trainer.optimizer_step()
-            if step % INTERVAL == 0:
-                r = scout.check(step)
-                if r.status in (ScoutStatus.SDC, ScoutStatus.INCONCLUSIVE):
-                    found = (step, r.status.value, r.faulty_ranks)
-                    break
+            if step % INTERVAL == 0 and scout.before_capture(step):
+                manager.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step)
+                scout.after_capture(step)
         faults.remove()
         scout.close()
+        manager.close()
         out.append(
             {
-                "block": scout.blocks[block].label,
+                "kind": kind,
+                "block": "all" if kind == "device" else scout.blocks[blocks[0]].label,
                 "onset": onset,
-                "detected": found[0] if found else None,
-                "status": found[1] if found else None,
-                "faulty": list(found[2]) if found else None,
-                "latency": (found[0] - onset) if found else None,
+                "detected": found,
+                "latency": None if found is None else found - onset,
+                "recovered": recovered,
+                "steps_until_verified_again": None if again is None else again - onset,
             }
         )
     return out
 
 
-def _measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
+def _measure(args: argparse.Namespace, model: str, pipeline: bool) -> dict[str, Any]:
     res = run_distributed(
         _overhead,
         args.world,
-        args=(args.rounds, args.steps, model),
+        args=(args.rounds, args.steps, model, pipeline),
         timeout_s=1800,
         pg_timeout_s=600,
     )
@@ -295,43 +420,102 @@ def _measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
     off = statistics.median(r0["times"]["off"])
     on = statistics.median(r0["times"]["on"])
     mean_ratio = statistics.fmean(r0["times"]["on"]) / statistics.fmean(r0["times"]["off"])
-    # The slowest rank's check time is what every rank waits for.
-    checks = [max(r["checks"][i] for r in res) for i in range(len(r0["checks"]))]
-    aligned = [max(r["aligned"][i] for r in res) for i in range(len(r0["aligned"]))]
+    n = min(len(r["aligned"]) for r in res)
+    # The slowest rank's time is what every rank waits for.
+    aligned = [max(r["aligned"][i] for r in res) for i in range(n)]
+    exchange = [max(r["exchange"][i] for r in res) for i in range(n)]
     hook = max(r["hook_s"] for r in res)
-    # The slowest rank's replay of each block is what a check waits for.
     n_blocks = len(r0["floor"]["blocks"])
     bare = [max(r["floor"]["blocks"][i]["bare_s"] for r in res) for i in range(n_blocks)]
     rep = [max(r["floor"]["blocks"][i]["replay_s"] for r in res) for i in range(n_blocks)]
-    accounted = (statistics.fmean(aligned) / INTERVAL + hook) / off
-    floor_share = statistics.fmean(bare) / INTERVAL / off if bare else float("nan")
+    floor = statistics.fmean(bare)  # the mean block: what a rotating check replays
+    per_check = statistics.fmean(aligned) + hook * INTERVAL
+    accounted = per_check / INTERVAL / off
+    floor_share = floor / INTERVAL / off
     return {
         "model": model,
+        "pipeline": pipeline,
         "blocks": r0["blocks"],
+        "recipes": r0["recipes"],
         "step_s_off_median": off,
         "step_s_on_median": on,
         "end_to_end_ratio_median": on / off,
         "end_to_end_ratio_mean": mean_ratio,
-        "check_s_median": statistics.median(checks),
-        "check_s_p90": sorted(checks)[int(0.9 * (len(checks) - 1))],
-        "check_s_aligned_median": statistics.median(aligned),
+        "check_s_mean": statistics.fmean(aligned),
+        "check_s_median": statistics.median(aligned),
+        "exchange_s_mean": statistics.fmean(exchange),
+        "fixed_s_mean": statistics.fmean(aligned) - statistics.fmean(exchange) - floor,
         "hook_s_per_step": hook,
+        "floor_block_s_mean": floor,
+        "replay_block_s_mean": statistics.fmean(rep),
+        "replay_over_floor": statistics.fmean(rep) / floor,
+        "accounted_per_check_s": per_check,
+        "accounted_over_floor": per_check / floor,
         "accounted_overhead": accounted,
-        "floor_block_s_mean": statistics.fmean(bare) if bare else None,
-        "replay_block_s_mean": statistics.fmean(rep) if rep else None,
-        "replay_over_floor": statistics.fmean(rep) / statistics.fmean(bare) if bare else None,
         "floor_overhead": floor_share,
-        "accounted_over_floor": accounted / floor_share if bare else None,
         "floor_per_block": [
             {"block": r0["floor"]["blocks"][i]["block"], "bare_s": bare[i], "replay_s": rep[i]}
             for i in range(n_blocks)
         ],
-        "accounted_overhead_with_skew": (statistics.fmean(checks) / INTERVAL + hook) / off,
         "bytes_per_check_median": statistics.median(r0["bytes"]),
         "reruns": r0["reruns"],
-        "checks": len(checks),
+        "checks": n,
         "statuses": sorted(set(r0["statuses"])),
     }
+
+
+def _exchange(rank: int, world: int, checks: int) -> dict[str, Any]:
+    """Bytes and seconds of one check's exchange (report all-gather + flags), world ``world``."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    scout = Scout(ScoutConfig(interval=1, pipeline=True), net, manager=HoldSink())
+    x = torch.randn(4, 8)
+    seconds, nbytes = [], []
+    for step in range(1, checks + 3):
+        net(x).sum().backward()
+        net.zero_grad()
+        scout.before_capture(step)
+        dist.barrier(group=scout.channel.world)
+        r = scout.resolve()
+        assert r is not None
+        if step > 2:
+            seconds.append(r.timings["exchange"])
+            nbytes.append(r.bytes_exchanged)
+    scout.close()
+    return {"exchange_s": statistics.median(seconds), "bytes": statistics.median(nbytes)}
+
+
+def _print(m: dict[str, Any]) -> None:
+    mode = "pipelined" if m["pipeline"] else "synchronous"
+    print(f"[{m['model']}, {mode}] {m['blocks']} blocks, {m['recipes']} recipes")
+    print(
+        f"  step without / with SCOUT (median): {m['step_s_off_median'] * 1e3:.2f} /"
+        f" {m['step_s_on_median'] * 1e3:.2f} ms; end-to-end ratio"
+        f" {m['end_to_end_ratio_median']:.3f} (mean {m['end_to_end_ratio_mean']:.3f})"
+    )
+    print(
+        f"  floor (bare fwd+bwd, mean block) {m['floor_block_s_mean'] * 1e3:.2f} ms; replay"
+        f" {m['replay_block_s_mean'] * 1e3:.2f} ms ({m['replay_over_floor']:.2f}x)"
+    )
+    print(
+        f"  accounted per check {m['accounted_per_check_s'] * 1e3:.2f} ms ="
+        f" {m['accounted_over_floor']:.2f}x the floor (target <= 1.3x);"
+        f" {m['accounted_overhead'] * 100:.2f} % of the step"
+    )
+    print(
+        f"  of which exchange {m['exchange_s_mean'] * 1e3:.2f} ms, fixed cost outside it"
+        f" {m['fixed_s_mean'] * 1e3:.2f} ms (target <= 0.3 ms), hooks"
+        f" {m['hook_s_per_step'] * 1e6:.1f} us/step"
+    )
+    if 1.3 * m["floor_overhead"] > 0.01:
+        print(
+            f"  1.3x the floor is {1.3 * m['floor_overhead'] * 100:.2f} % of the step (> 1 %):"
+            " that is this model's floor at this interval, not a defect of SCOUT"
+        )
+    print(
+        f"  bytes per check {m['bytes_per_check_median']:.0f}; re-runs"
+        f" {m['reruns']}/{m['checks']}; statuses {m['statuses']}"
+    )
 
 
 def main() -> None:
@@ -339,75 +523,47 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=40, help="steps per phase (a multiple of 10)")
-    ap.add_argument("--trials", type=int, default=6, help="detection-latency trials")
-    ap.add_argument("--models", nargs="+", default=["demo", "wider"], choices=sorted(MODELS))
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 20 steps, 3 trials")
+    ap.add_argument("--trials", type=int, default=4, help="detection-latency trials")
+    ap.add_argument("--models", nargs="+", default=["demo", "wider", "mlp"], choices=sorted(MODELS))
+    ap.add_argument("--exchange-worlds", nargs="+", type=int, default=[2, 4, 16])
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 20 steps, 2 trials")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.trials = 2, 20, 3
+        args.rounds, args.steps, args.trials = 2, 20, 2
     print(f"SCOUT, DDP x{args.world} (CPU, Gloo), check interval {INTERVAL}")
     rows = []
     for model in args.models:
-        m = _measure(args, model)
-        rows.append(m)
-        print(f"[{model}] {m['blocks']} blocks")
+        for pipeline in (False, True):  # before (synchronous) and after, same machine state
+            m = _measure(args, model, pipeline)
+            rows.append(m)
+            _print(m)
+    exchange = []
+    for w in args.exchange_worlds:
+        e = run_distributed(_exchange, w, args=(20,), timeout_s=900, pg_timeout_s=600)
+        worst = max(r["exchange_s"] for r in e)
+        exchange.append({"world": w, "bytes_per_check": e[0]["bytes"], "exchange_s": worst})
         print(
-            f"  step time without / with SCOUT (median): {m['step_s_off_median'] * 1e3:.2f}"
-            f" / {m['step_s_on_median'] * 1e3:.2f} ms (ratio {m['end_to_end_ratio_median']:.3f};"
-            f" mean ratio {m['end_to_end_ratio_mean']:.3f})"
+            f"exchange at world {w}: {e[0]['bytes']:.0f} B per check and rank, resolve"
+            f" {worst * 1e3:.2f} ms (median, slowest rank)"
         )
-        print(
-            f"  time per check: median {m['check_s_median'] * 1e3:.2f} ms, p90"
-            f" {m['check_s_p90'] * 1e3:.2f} ms (after a barrier, SCOUT's own: median"
-            f" {m['check_s_aligned_median'] * 1e3:.2f} ms); recording hooks"
-            f" {m['hook_s_per_step'] * 1e6:.1f} us per step"
-        )
-        print(
-            f"  accounted overhead: {m['accounted_overhead'] * 100:.2f} % of step time"
-            f" (target <= 1 %); with the peers' arrival skew"
-            f" {m['accounted_overhead_with_skew'] * 100:.2f} %"
-        )
-        print(
-            f"  physical floor: a block's bare forward+backward {m['floor_block_s_mean'] * 1e3:.2f}"
-            f" ms mean over the blocks; SCOUT's replay {m['replay_block_s_mean'] * 1e3:.2f} ms"
-            f" (ratio {m['replay_over_floor']:.2f}); floor share of the step"
-            f" {m['floor_overhead'] * 100:.2f} %; accounted overhead / floor"
-            f" {m['accounted_over_floor']:.2f}"
-        )
-        print(
-            "    per block (bare / replay, ms): "
-            + ", ".join(
-                f"{b['block']} {b['bare_s'] * 1e3:.2f}/{b['replay_s'] * 1e3:.2f}"
-                for b in m["floor_per_block"]
-            )
-        )
-        print(
-            f"  bytes exchanged per check: {m['bytes_per_check_median']:.0f}; re-runs:"
-            f" {m['reruns']}/{m['checks']}; statuses: {m['statuses']}"
-        )
-    lat = run_distributed(
-        _latency, max(3, args.world), args=(args.trials, 7), timeout_s=1800, pg_timeout_s=600
-    )[0]
-    latencies = [t["latency"] for t in lat if t["latency"] is not None]
-    blocks = rows[0]["blocks"]
-    print(
-        f"detection latency on the demo GPT (steps after onset): {latencies} (bound"
-        f" {INTERVAL * blocks}), detected {len(latencies)}/{len(lat)}"
-    )
+    with tempfile.TemporaryDirectory() as folder:
+        lat = run_distributed(
+            _latency, 3, args=(args.trials, 7, folder), timeout_s=1800, pg_timeout_s=600
+        )[0]
     for t in lat:
         print(
-            f"  SDC in {t['block']:<10} from step {t['onset']:>3}: "
-            f"detected at {t['detected']} ({t['status']}, ranks {t['faulty']})"
+            f"  {t['kind']} fault ({t['block']}) from step {t['onset']}: found at"
+            f" {t['detected']} (+{t['latency']} steps), recovered {t['recovered']}, a verified"
+            f" step again {t['steps_until_verified_again']} steps after the onset"
         )
     summary = {
         "world": args.world,
         "interval": INTERVAL,
-        "target_overhead": 0.01,
+        "target_over_floor": 1.3,
+        "target_fixed_s": 0.0003,
         "models": rows,
+        "exchange": exchange,
         "detection": lat,
-        "latency_steps_mean": statistics.fmean(latencies) if latencies else None,
-        "latency_steps_max": max(latencies) if latencies else None,
-        "latency_bound_steps": INTERVAL * blocks,
     }
     print(json.dumps(summary))
 

@@ -64,3 +64,41 @@ def test_verified_recovery_after_a_layer_fault_restores_the_pre_onset_step(
         assert step == json.loads((out / "start-rank0-attempt1.json").read_text())["start"]
         second = json.loads((out / f"boundaries-rank{rank}-attempt1.json").read_text())
         assert all(v[1] in accepted for v in second.values()), second  # the fault is gone
+
+
+def test_a_crash_while_a_verdict_is_pending_recovers_the_previous_verified_step(
+    tmp_path: Path,
+) -> None:
+    """Pipelined verdict (``ScoutConfig(pipeline=True)``), no fault, rank 1 SIGKILLed when it
+    draws the batch of step 41: step 40's capture is held and its verdict pending (it
+    resolves in the pre-step hook of 41). With a rotation over five recipes, check 35
+    verified steps 5 and 10; check 40 would verify 15 and 20, but never resolved. The
+    restart, told a machine was lost (``inaccessible``), recovers a verified step: 10 (or
+    5, whichever retention kept), bit-identical; never the held 40."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--out", str(out), "--steps", "45", "--disk-folder", str(tmp_path / "disk")]
+    args += ["--onset", "1000000", "--kill-step", "41", "--pipeline"]
+    run = run_torchrun(
+        [_WORKER, *args],
+        _WORLD,
+        max_restarts=1,
+        env={
+            "LM_RESILIENCY_RUN_ID": f"scout-pending-{uuid.uuid4().hex[:8]}",
+            "LM_RESILIENCY_FAILURE_KIND": "inaccessible",
+        },
+        timeout_s=420,
+    )
+    assert run.returncode == 0, run.describe()
+    assert run.attempts == 2, run.describe()
+    steps = set()
+    for rank in range(_WORLD):
+        first = json.loads((out / f"boundaries-rank{rank}-attempt0.json").read_text())
+        assert int(max(first, key=int)) == 40, first  # step 40 was trained and held
+        start = json.loads((out / f"start-rank{rank}-attempt1.json").read_text())
+        step = start["start"]
+        assert step in (5, 10), start
+        assert start["decision"] == ["inaccessible", "recovery_verified", step], start
+        assert start["restored"] == first[str(step)][0], f"rank {rank}: not bit-identical"
+        steps.add(step)
+    assert len(steps) == 1, steps

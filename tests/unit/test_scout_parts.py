@@ -474,3 +474,14 @@ def test_coverage_of_a_single_signature_is_the_checks_own_step() -> None:
     # Neither dense nor optimizer enabled: nothing to cover.
     off = Coverage(partition(model), ComparisonGroups.ddp(2), classes={"dynamic"}, disabled=set())
     assert off.frontier() == math.inf
+
+
+def test_ddp_groups_of_a_bounded_size_partition_the_world() -> None:
+    from lm_resiliency.detection import ComparisonGroups
+
+    assert ComparisonGroups.ddp(4).groups == ((0, 1, 2, 3),)
+    assert ComparisonGroups.ddp(8, size=4).groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert ComparisonGroups.ddp(9, size=4).groups == ((0, 1, 2, 3), (4, 5, 6, 7, 8))
+    assert ComparisonGroups.ddp(11, size=4).groups == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10))
+    with pytest.raises(ConfigError, match="size=2 must be an int >= 3"):
+        ComparisonGroups.ddp(8, size=2)

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from lm_resiliency._compat import add_note
+from lm_resiliency.capture.gate import CommitGate
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.capture.slot import ANONYMOUS, ArenaBacking, ArenaHandle, Slot
 from lm_resiliency.checksums import arena_crcs
@@ -82,6 +83,8 @@ class CaptureStats:
     allocations: int = 0
     relayouts: int = 0
     failures: int = 0
+    discarded: int = 0
+    """Held captures discarded before their commit (a refused :class:`CommitGate`)."""
     kept_copy_s: list[float] = field(default_factory=list)
     """Worker seconds allocating a slot for and copying each handed-over step back into own
     memory (:meth:`CaptureEngine.hand_over`)."""
@@ -116,6 +119,8 @@ class _Cycle:
     error: BaseException | None = None
     keep: _Keep | None = None
     """Set for the re-protection of a handed-over slot instead of a capture."""
+    gate: CommitGate | None = None
+    """Set for a held capture: its commit waits for the gate's decision."""
 
 
 @dataclass(frozen=True)
@@ -219,10 +224,12 @@ class CaptureEngine:
         """``own_previous``: the prior complete capture (None with a single slot)."""
         return self.slots[1] if len(self.slots) > 1 else None
 
-    def capture(self, state: Any, step: int) -> None:
+    def capture(self, state: Any, step: int, *, gate: CommitGate | None = None) -> None:
         """Launch the capture of ``state`` at ``step``; returns without waiting for bytes.
 
-        Waits for the previous cycle (copy and replication) first. Raises
+        ``gate``: hold the commit until the gate is decided (see
+        :mod:`~lm_resiliency.capture.gate`). Waits for the previous cycle (copy
+        and replication, after resolving its gate) first. Raises
         ``StateEncodingError`` for unsupported values (also a tensor dtype the
         node-local shard format cannot store, checked when the layout changes)
         and ``CaptureError`` for a failure of an earlier background cycle.
@@ -231,7 +238,7 @@ class CaptureEngine:
         self._finish_previous()
         if self._layout is None:
             # The first capture is encoded here, so its errors are raised by this call.
-            self._launch(encode_state(state), step, t0, persisted=True)
+            self._launch(encode_state(state), step, t0, persisted=True, gate=gate)
             return
         # Later ones leave the walk of Deferred subtrees (model and optimizer state) to the
         # worker; what it raises (an unsupported value, no room for a new layout) comes out
@@ -239,7 +246,7 @@ class CaptureEngine:
         partial = begin_encoding(state)
         slot = self._rotate()
         ready = self._record_ready_on(self._devices)
-        self._submit(_Cycle(step, slot, None, None, ready, t0, partial))
+        self._submit(_Cycle(step, slot, None, None, ready, t0, partial, gate=gate))
 
     def capture_tensors(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int
@@ -253,7 +260,14 @@ class CaptureEngine:
         self._finish_previous()
         self._launch(EncodedState(document={}, tensors=list(tensors), names=list(names)), step, t0)
 
-    def _launch(self, encoded: EncodedState, step: int, t0: float, persisted: bool = False) -> None:
+    def _launch(
+        self,
+        encoded: EncodedState,
+        step: int,
+        t0: float,
+        persisted: bool = False,
+        gate: CommitGate | None = None,
+    ) -> None:
         layout = self._layout_for(encoded, persisted)
         slot = self._rotate()
         # Device tensors: remember where the compute stream is now; the worker's side
@@ -261,7 +275,7 @@ class CaptureEngine:
         # every source tensor until its copy completed, so the caching allocator cannot
         # hand a source's memory to new work even if the caller drops it right away.
         ready = self._record_ready(encoded.tensors)
-        self._submit(_Cycle(step, slot, layout, encoded, ready, t0))
+        self._submit(_Cycle(step, slot, layout, encoded, ready, t0, gate=gate))
 
     def _submit(self, cycle: _Cycle) -> None:
         self._enqueue(cycle)
@@ -355,7 +369,7 @@ class CaptureEngine:
         if self._closed:
             return
         try:
-            self._finish_previous(raise_errors=False)
+            self._finish_previous(raise_errors=False, resolve=False)
         finally:
             with self._cv:
                 self._closed = True
@@ -374,9 +388,15 @@ class CaptureEngine:
             self._jobs.append(cycle)
             self._cv.notify()
 
-    def _finish_previous(self, raise_errors: bool = True) -> None:
+    def _finish_previous(self, raise_errors: bool = True, resolve: bool = True) -> None:
         cycle = self._cycle
         if cycle is not None:
+            gate = cycle.gate
+            if gate is not None and not gate.decided:
+                if resolve:
+                    gate.resolve()  # the verdict's owner decides now (never waits on nobody)
+                else:
+                    gate.decide(False, "closed before the verdict")
             self._wait_for(cycle.finished)
         if raise_errors:
             self._raise_pending()
@@ -534,6 +554,8 @@ class CaptureEngine:
                 self.stats.allocations += 1
             self._copy_pairs(cycle, list(zip(slot.views(), encoded.tensors, strict=True)))
             self.stats.copy_s.append(time.perf_counter() - t0)
+            if cycle.gate is not None and not self._await_gate(cycle, cycle.gate):
+                return
             slot.publish(cycle.step, encoded.document, self.rank)
             # wait_captured() may return now: the sources may change, the arena is ours.
             cycle.captured.set()
@@ -564,6 +586,25 @@ class CaptureEngine:
         finally:
             cycle.captured.set()
             cycle.finished.set()
+
+    def _await_gate(self, cycle: _Cycle, gate: CommitGate) -> bool:
+        """Worker: release the caller, wait for the verdict; False: the capture is dropped."""
+        cycle.captured.set()  # the bytes are ours: the sources may change
+        while not gate.wait(CAPTURE_WORKER_POLL_S):
+            if self._closed:
+                gate.decide(False, "closed before the verdict")
+        if gate.accepted:
+            return True
+        cycle.slot.invalidate()  # never published: recovery never saw it
+        self.stats.discarded += 1
+        log.info(
+            "rank %d: capture of step %d discarded before its commit (%s)",
+            self.rank,
+            cycle.step,
+            gate.reason or "verdict refused it",
+        )
+        cycle.finished.set()
+        return False
 
     def _run_keep(self, cycle: _Cycle, keep: _Keep) -> None:
         """Worker: copy a handed-over arena into ``cycle.slot`` and commit it as recorded."""

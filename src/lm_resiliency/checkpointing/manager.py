@@ -186,7 +186,10 @@ class InMemoryCheckpointManager:
             raise ValueError(f"step={step!r} must be a non-negative int (the optimizer step)")
         self.commit_restore()  # training went on: the recovered state was applied
         self.history.commit(None, None)  # no recovery decided before: this is a fresh timeline
-        self._engine.capture(state, step)
+        gate = self.trust.take_held(step)  # SCOUT's pipelined verdict: commit when decided
+        if gate is None:
+            self.trust.settle()  # an earlier step's verdict: decided before the next capture
+        self._engine.capture(state, step, gate=gate)
 
     def maybe_wait(self) -> None:
         """Wait until the in-flight capture is complete and its replication launched.
@@ -198,6 +201,7 @@ class InMemoryCheckpointManager:
         self._check_open()
         self.commit_restore()  # before the optimizer changes what load() returned
         self._engine.wait_captured()
+        self.trust.settle()  # a held capture's verdict (SCOUT, collective): commit or discard
 
     def _after_capture(self, slot: Slot) -> None:
         """Completion worker: replicate the fresh capture, then schedule its flush."""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from lm_resiliency.capture.gate import CommitGate
 from lm_resiliency.checkpointing.disk import LocalDisk
 from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.persistence import RecoveryVerdict, TrustStatus
@@ -103,6 +104,35 @@ class TrustLedger:
         self._verdict: RecoveryVerdict | None = None
         self._writer = TrustWriter(rank)
         self._closed = False
+        self._held: CommitGate | None = None
+
+    # -- held captures (SCOUT's pipelined verdict) ---------------------------------
+
+    def hold(self, step: int, resolve: Callable[[], object]) -> CommitGate:
+        """Hold the next capture of ``step`` uncommitted until ``resolve`` decides it.
+
+        ``manager.save(state, step)`` takes the gate (the capture's bytes are copied,
+        its commit waits); ``manager.maybe_wait`` and the next ``save`` call
+        ``resolve`` (collective in SCOUT) on the caller's thread. Replaces an
+        undecided hold of an earlier step (resolving it first).
+        """
+        previous = self._held
+        if previous is not None and not previous.decided:
+            previous.resolve()
+        self._held = gate = CommitGate(step, resolve)
+        return gate
+
+    def take_held(self, step: int) -> CommitGate | None:
+        """The gate held for ``step`` (for ``save``), if any and undecided."""
+        gate = self._held
+        return gate if gate is not None and gate.step == step and not gate.decided else None
+
+    def settle(self) -> None:
+        """Caller's thread: resolve an undecided hold now (``maybe_wait``)."""
+        gate = self._held
+        if gate is not None:
+            self._held = None
+            gate.resolve()
 
     # -- TrustSink ---------------------------------------------------------------
 

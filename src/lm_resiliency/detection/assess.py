@@ -1,12 +1,18 @@
-"""From every rank's reports to the job-wide picture of one check round.
+"""From a comparison group's reports to its picture of one check round.
 
-Pure functions of the all-gathered reports: every rank computes the same
-:class:`Assessment`, which is what makes SCOUT's decisions job-wide.
+Pure functions of the reports all-gathered inside one comparison group: every
+member of the group computes the same :class:`Assessment`. What the job must
+agree on beyond that (SDC anywhere, a cycle complete everywhere) is one small
+all-reduce of flags (:class:`~lm_resiliency.detection.wire.Flags`).
+
+``reports`` map global ranks to their :class:`RankReport` (a list indexed by
+rank is accepted too); only the groups whose ranks are all present are judged.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lm_resiliency.detection.groups import ComparisonGroups
@@ -19,6 +25,9 @@ from lm_resiliency.detection.verdict import (
 )
 from lm_resiliency.detection.wire import CLASSES, RankReport, RunState
 from lm_resiliency.errors import ResiliencyError
+
+#: Ranks a straggler cohort needs (replays of one recipe compared inside a group).
+_MIN_COHORT = 3
 
 SHORT = {"dense": "dense", "optimizer": "opt", "dynamic": "dyn"}
 
@@ -38,19 +47,43 @@ class Assessment:
     def faulty(self) -> tuple[int, ...]:
         return tuple(sorted({r for v in self.verdicts.values() for r in v.faulty}))
 
+    def groups(self) -> list[int]:
+        """The indices of the groups judged (a rank judges its own group)."""
+        return judged(self)
+
     def outcomes(self, outcome: Outcome) -> list[tuple[int, str]]:
         return sorted(k for k, v in self.verdicts.items() if v.outcome is outcome)
 
 
-def check_consistent(reports: list[RankReport], groups: ComparisonGroups) -> None:
-    """Raise ``ResiliencyError`` (on every rank alike) if ranks are not in the same check."""
-    seqs = {(r.seq, r.step) for r in reports}
+Reports = Mapping[int, RankReport] | Sequence[RankReport]
+
+
+def as_map(reports: Reports) -> Mapping[int, RankReport]:
+    """``reports`` keyed by global rank."""
+    return reports if isinstance(reports, Mapping) else dict(enumerate(reports))
+
+
+def present(groups: ComparisonGroups, reports: Mapping[int, RankReport]) -> list[int]:
+    """The indices of the groups whose every rank has a report here."""
+    return [gi for gi, g in enumerate(groups.groups) if all(r in reports for r in g)]
+
+
+def judged(a: Assessment) -> list[int]:
+    """The indices of the groups ``a`` holds verdicts for."""
+    return sorted({gi for gi, _ in a.verdicts})
+
+
+def check_consistent(reports: Reports, groups: ComparisonGroups) -> None:
+    """Raise ``ResiliencyError`` (in the group alike) if ranks are not in the same check."""
+    reports = as_map(reports)
+    seqs = {(r.seq, r.step) for r in reports.values()}
     if len(seqs) != 1:
         raise ResiliencyError(
             f"SCOUT ranks are at different checks (sequence, step): {sorted(seqs)[:4]}; every "
             "rank must call check/before_capture at the same steps"
         )
-    for g in groups.groups:
+    for gi in present(groups, reports):
+        g = groups.groups[gi]
         fps = {reports[r].fingerprint for r in g}
         if len(fps) != 1:
             raise ResiliencyError(
@@ -60,14 +93,17 @@ def check_consistent(reports: list[RankReport], groups: ComparisonGroups) -> Non
 
 
 def assess(
-    first: list[RankReport],
+    first: Reports,
     groups: ComparisonGroups,
     rule: StragglerRule,
-    second: list[RankReport] | None = None,
+    second: Reports | None = None,
 ) -> Assessment:
-    """Judge every class in every group, and find straggler suspects (both rounds if given)."""
+    """Judge every class in every present group; straggler suspects (both rounds if given)."""
     out = Assessment()
-    for gi, ranks in enumerate(groups.groups):
+    first = as_map(first)
+    second = None if second is None else as_map(second)
+    for gi in present(groups, first):
+        ranks = groups.groups[gi]
         for name in CLASSES:
             a = {r: first[r].of(name) for r in ranks}
             b = None if second is None else {r: second[r].of(name) for r in ranks}
@@ -85,17 +121,19 @@ def assess(
 
 
 def _suspects(
-    reports: list[RankReport], rule: StragglerRule
+    reports: Mapping[int, RankReport], rule: StragglerRule
 ) -> dict[int, tuple[float, float, float]]:
-    # Cohorts: ranks that replayed the same recipe on the same shapes (any group).
+    # Cohorts: ranks that replayed the same recipe on the same shapes (of the reports here).
     cohorts: dict[tuple[str, int, int, int], dict[int, float]] = defaultdict(dict)
-    for rank, rep in enumerate(reports):
+    for rank, rep in sorted(reports.items()):
         for name in ("dense", "dynamic"):
             c = rep.of(name)
             if c.state is RunState.OK:
                 cohorts[(name, c.recipe, c.extra, c.signature)][rank] = c.seconds
     worst: dict[int, tuple[float, float, float]] = {}
     for times in cohorts.values():
+        if len(times) < _MIN_COHORT:
+            continue  # one peer is no reference: either of two could be the slow one
         for rank, slowdown in straggler_suspects(times, rule).items():
             med = times[rank] / slowdown
             if rank not in worst or slowdown > worst[rank][0]:
@@ -104,9 +142,10 @@ def _suspects(
 
 
 def describe_groups(a: Assessment, groups: ComparisonGroups) -> tuple[str, ...]:
-    """One line per group: ``[0, 1, 2] dense=clean opt=clean`` (classes that ran)."""
+    """One line per judged group: ``[0, 1, 2] dense=clean opt=clean`` (classes that ran)."""
     lines = []
-    for gi, ranks in enumerate(groups.groups):
+    for gi in judged(a):
+        ranks = groups.groups[gi]
         parts = [
             f"{SHORT[n]}={a.verdicts[(gi, n)].outcome.value}"
             for n in CLASSES

@@ -169,6 +169,7 @@ class Certifier:
         if self.candidate is not None and self.candidate > step:
             self.candidate = None
         if verified:
+            self.verified = step  # the newest verified step of the timeline that continues
             self.latched = None
             self.cycle_complete = False
             self.candidate = None

@@ -49,7 +49,7 @@ def compose(
         v = a.verdicts[(gi, name)]
         reasons.append(f"group {list(g[gi])} {name}: inconclusive ({v.detail})")
     evidence = all(
-        any(a.verdicts[(gi, n)].outcome is Outcome.CLEAN for n in CLASSES) for gi in range(len(g))
+        any(a.verdicts[(gi, n)].outcome is Outcome.CLEAN for n in CLASSES) for gi in a.groups()
     )
     if sdc:
         status = ScoutStatus.SDC

@@ -26,12 +26,16 @@ Conservative by construction:
 * a recovery (any) starts the coverage afresh: clean checks of the abandoned
   timeline say nothing about the state that continues.
 
-Every rank computes the same frontier from the same all-gathered reports.
+Each rank credits the groups it holds reports of (its own: the reports are
+all-gathered inside the comparison group); the job's frontier is the minimum
+over the groups, agreed by the flags all-reduce
+(:class:`~lm_resiliency.detection.wire.Flags`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from lm_resiliency.detection.assess import Assessment
 from lm_resiliency.detection.blocks import Block, static_key
@@ -75,11 +79,14 @@ class Coverage:
         """How many distinct recipes the blocks form now (in the first group)."""
         return len({self.key(0, b) for b in range(len(self.blocks))}) if self.groups.groups else 0
 
-    def credit(self, step: int, a: Assessment, reports: list[RankReport], ran: set[str]) -> None:
+    def credit(
+        self, step: int, a: Assessment, reports: Mapping[int, RankReport], ran: set[str]
+    ) -> None:
         """Record the recipes that this check (classes ``ran``) found clean, group by group."""
         if not self.classes or not self.classes <= ran:
             return  # an enabled class did not run: this check certifies no recipe
-        for gi, ranks in enumerate(self.groups.groups):
+        for gi in a.groups():
+            ranks = self.groups.groups[gi]
             if any(a.verdicts[(gi, c)].outcome is not Outcome.CLEAN for c in self.classes):
                 continue
             source = reports[ranks[0]]  # the group's source (what it asked for)
@@ -94,8 +101,10 @@ class Coverage:
                 self._signature[gi].setdefault(block, 0)
             self._clean[gi][self.key(gi, block)] = step
 
-    def frontier(self) -> float:
+    def frontier(self, group: int | None = None) -> float:
         """The newest step whose every recipe was checked clean at or after it.
+
+        ``group``: of that comparison group only (what one rank knows); else of all.
 
         ``inf`` when nothing is to be covered (no blocks, or the dense and optimizer
         classes are disabled); ``-inf`` while some recipe has no clean check (or a
@@ -106,7 +115,7 @@ class Coverage:
         if self.disabled:
             return -math.inf
         low = math.inf
-        for gi in range(len(self.groups.groups)):
+        for gi in range(len(self.groups.groups)) if group is None else [group]:
             clean = self._clean[gi]
             for b in range(len(self.blocks)):
                 step = clean.get(self.key(gi, b))
@@ -132,6 +141,13 @@ class Coverage:
                     out.append(block.label)
                     break
         return out
+
+    def snapshot(self) -> tuple[list[dict[int, int]], list[dict[RecipeKey, int]]]:
+        """The state :meth:`credit` changes (to undo a round that is re-run)."""
+        return [dict(d) for d in self._signature], [dict(d) for d in self._clean]
+
+    def restore(self, saved: tuple[list[dict[int, int]], list[dict[RecipeKey, int]]]) -> None:
+        self._signature, self._clean = [dict(d) for d in saved[0]], [dict(d) for d in saved[1]]
 
     def reset(self) -> None:
         """Forget every clean check (after a recovery; the signatures stay known)."""

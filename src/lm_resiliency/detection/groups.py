@@ -63,9 +63,25 @@ class ComparisonGroups:
     # -- constructors ------------------------------------------------------------
 
     @classmethod
-    def ddp(cls, world_size: int) -> ComparisonGroups:
-        """Plain DDP: all ``world_size`` ranks are replicas of each other."""
-        return cls((tuple(range(world_size)),), world_size)
+    def ddp(cls, world_size: int, *, size: int | None = None) -> ComparisonGroups:
+        """Plain DDP: all ``world_size`` ranks are replicas of each other.
+
+        ``size``: compare in groups of ``size`` consecutive ranks instead of one
+        group of the world (every rank holds the same replica, so any partition is
+        sound); the report all-gather then stays bounded at any world size. A
+        remainder smaller than 3 joins the last group (a strict majority needs 3).
+        """
+        if size is None or size >= world_size:
+            return cls((tuple(range(world_size)),), world_size)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 3:
+            raise ConfigError(
+                f"size={size!r} must be an int >= 3 (a strict majority names a faulty rank)"
+            )
+        starts = list(range(0, world_size, size))
+        if world_size - starts[-1] < 3:
+            starts.pop()
+        ends = [*starts[1:], world_size]
+        return cls(tuple(tuple(range(a, b)) for a, b in zip(starts, ends, strict=True)), world_size)
 
     @classmethod
     def hsdp(cls, world_size: int, *, shard_size: int) -> ComparisonGroups:

@@ -13,7 +13,7 @@ recipes of that snapshot were checked and accepted, each on one of the modules
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -82,12 +82,13 @@ class DynamicCatalog:
 
 
 class Cycles:
-    """Every group's progress through its dynamic catalog, mirrored on every rank.
+    """This rank's view of the groups' progress through their dynamic catalogs.
 
-    Updated from the all-gathered reports only, so every rank holds the same
-    state: a group advances when its check of the expected recipe ``k`` was
-    clean; a group's cycle is done after its K-th; a cycle is complete job-wide
-    when every group is done (then all start over). Any SDC or inconclusive
+    Updated from the reports of the groups judged here (a rank's own group):
+    a group advances when its check of the expected recipe ``k`` was clean; a
+    group's cycle is done after its K-th. A cycle is complete job-wide when
+    every group is done, which the flags all-reduce decides
+    (:meth:`complete` is then called on every rank); any SDC or inconclusive
     comparison anywhere resets every group.
     """
 
@@ -97,21 +98,33 @@ class Cycles:
         """Per group: the index of the next recipe its cycle needs."""
         self.done = [False] * len(groups.groups)
 
-    def advance(self, a: Assessment, reports: list[RankReport], corrupt: bool) -> bool:
-        """Apply one check; True when a cycle completed job-wide at this check."""
+    def advance(self, a: Assessment, reports: Mapping[int, RankReport], corrupt: bool) -> bool:
+        """Apply one check; True when every group judged here has its cycle done."""
         if corrupt:
-            self.progress = [0] * len(self.progress)
-            self.done = [False] * len(self.done)
+            self.reset()
             return False
-        for gi, ranks in enumerate(self.groups.groups):
-            c = reports[ranks[0]].of("dynamic")
+        judged = a.groups()
+        for gi in judged:
+            c = reports[self.groups.groups[gi][0]].of("dynamic")
             clean = a.verdicts[(gi, "dynamic")].outcome is Outcome.CLEAN
             if clean and c.recipe == self.progress[gi]:
                 self.progress[gi] += 1
                 if self.progress[gi] >= c.extra:
                     self.progress[gi] = 0
                     self.done[gi] = True
-        if all(self.done):
-            self.done = [False] * len(self.done)
-            return True
-        return False
+        return bool(judged) and all(self.done[gi] for gi in judged)
+
+    def complete(self) -> None:
+        """Every group is done (agreed job-wide): all start over."""
+        self.done = [False] * len(self.done)
+
+    def snapshot(self) -> tuple[list[int], list[bool]]:
+        """The state :meth:`advance` changes (to undo a round that is re-run)."""
+        return list(self.progress), list(self.done)
+
+    def restore(self, saved: tuple[list[int], list[bool]]) -> None:
+        self.progress, self.done = list(saved[0]), list(saved[1])
+
+    def reset(self) -> None:
+        self.progress = [0] * len(self.progress)
+        self.done = [False] * len(self.done)

@@ -52,7 +52,8 @@ class ScoutResult:
     timings: dict[str, float] = field(default_factory=dict)
     """This rank's seconds: ``replay`` (sum over classes), ``exchange``, ``total``."""
     bytes_exchanged: int = 0
-    """Bytes this rank sent and received in SCOUT's collectives for this check."""
+    """Bytes of SCOUT's collectives for this check on this rank: the spec, the group's
+    reports (144 B per member) and the job-wide flags (120 B); not a factor of the world."""
     capture_allowed: bool = True
     """Whether a capture at this step may proceed (accepted, and no SDC seen before)."""
     reason: str = ""
@@ -62,7 +63,9 @@ class ScoutResult:
     complete_cycle: bool = False
     """Whether this check completed a dynamic-catalog cycle job-wide (a sweep: all recipes)."""
     groups: tuple[str, ...] = ()
-    """Per comparison group, its verdict per class, e.g. ``[0, 1, 2] dense=clean opt=clean``."""
+    """This rank's comparison group's verdict per class, e.g. ``[0, 1, 2] dense=clean opt=clean``
+    (reports travel inside the group; what other groups found is in ``status`` and
+    ``reason``, from the job-wide flags)."""
 
     @property
     def accepted(self) -> bool:

@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lm_resiliency.capture.gate import CommitGate
 from lm_resiliency.detection.assess import Assessment, assess, check_consistent
 from lm_resiliency.detection.blocks import partition, structure_fingerprint, uncovered_params
 from lm_resiliency.detection.certify import Certifier, TrustSink
@@ -47,7 +50,14 @@ from lm_resiliency.detection.result import CHECK_EVENT, ScoutResult, ScoutStatus
 from lm_resiliency.detection.scout_config import ScoutConfig
 from lm_resiliency.detection.signature import Recorder
 from lm_resiliency.detection.verdict import Outcome, StragglerRule
-from lm_resiliency.detection.wire import Channel, PendingSpec, RankReport
+from lm_resiliency.detection.wire import (
+    CLASSES,
+    Channel,
+    Flags,
+    PendingReports,
+    PendingSpec,
+    RankReport,
+)
 from lm_resiliency.errors import ConfigError, ResiliencyError
 from lm_resiliency.persistence.trust import TrustStatus
 from lm_resiliency.telemetry import EventLog
@@ -57,6 +67,26 @@ log = logging.getLogger(__name__)
 #: After this many non-reproducible replays a block is no longer replayed.
 _NONDETERMINISTIC_LIMIT = 2
 _DEFAULT_INTERVAL = 10
+
+
+@dataclass
+class _Inflight:
+    """A check whose replay ran and whose group exchange is posted, awaiting its verdict."""
+
+    step: int
+    classes: set[str]
+    spec: dict[str, Any]
+    done: Executed
+    reports: PendingReports
+    t0: float
+    bytes0: int
+    timings: dict[str, float] = field(default_factory=dict)
+    gate: CommitGate | None = None
+    captured: bool = False
+    """``after_capture(step)`` ran: certify the capture when the verdict is clean."""
+    judged: tuple[Any, ...] | None = None
+    """After :meth:`Scout._judge`: the assessment, the reports, the state to undo for a
+    re-run, and the flags all-reduce in flight."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -167,6 +197,10 @@ class Scout:
         self._seq = 0
         self._pending: PendingSpec | None = None
         self._pending_capture: int | None = None
+        self._inflight: _Inflight | None = None
+        self._frontier_value = -math.inf
+        sink_hold = getattr(manager, "hold", None) if config.pipeline else None
+        self._hold: Callable[[int, Callable[[], object]], CommitGate] | None = sink_hold
         self._last_check: ScoutResult | None = None  # regular checks only (not sweeps)
         self.cycles = Cycles(self.groups)
         self._nondeterministic: Counter[int] = Counter()
@@ -231,9 +265,36 @@ class Scout:
         if not self.config.enable:
             return True
         last = self._last_check
-        result = last if last is not None and last.step == step else self.check(step)
-        self._pending_capture = step if result.capture_allowed else None
-        return result.capture_allowed
+        if last is not None and last.step == step and self._inflight is None:
+            allowed = last.capture_allowed
+        elif self._hold is not None:
+            # Pipelined: replay now, post the exchange, resolve at the next pre-step hook
+            # (or the next SCOUT call); the capture is held uncommitted until then.
+            self._check(step, self._boundary_classes(step), pipelined=True)
+            inflight = self._inflight
+            allowed = self.latched is None and inflight is not None
+            if allowed and inflight is not None:
+                inflight.gate = self._hold(step, self.resolve)
+        else:
+            allowed = self.check(step).capture_allowed
+        self._pending_capture = step if allowed else None
+        return allowed
+
+    @property
+    def pending(self) -> int | None:
+        """The step of a check whose verdict is not resolved yet, or ``None``."""
+        return None if self._inflight is None else self._inflight.step
+
+    def resolve(self) -> ScoutResult | None:
+        """Collective: resolve the pending verdict (pipelined boundary check) now, if any.
+
+        Decides the held capture (commit, or discard on SDC / no evidence) and
+        certifies it. The manager calls it from ``maybe_wait`` and before the next
+        capture; every SCOUT call resolves first. Returns the resolved result.
+        """
+        if self._closed or not self.config.enable or self._inflight is None:
+            return None
+        return self._resolve()
 
     def after_capture(self, step: int) -> None:
         """Local: certify the capture just taken at ``step`` (after ``manager.save``).
@@ -254,6 +315,13 @@ class Scout:
                 "before_capture at the boundary and capture only when it returns True"
             )
         self._pending_capture = None
+        inflight = self._inflight
+        if inflight is not None and inflight.step == step:
+            inflight.captured = True  # certified when its verdict resolves
+            return
+        self._certify_capture(step)
+
+    def _certify_capture(self, step: int) -> None:
         trust = self.certifier.captured(step, frontier=self._frontier())
         if trust is TrustStatus.CANDIDATE and not self.certifier.dynamic:
             log.debug("SCOUT: step %d is a CANDIDATE until every recipe is checked clean", step)
@@ -278,6 +346,7 @@ class Scout:
         self.certifier.recovered(step, verified=verified)
         if self.config.enable:
             self.coverage.reset()  # clean checks of the abandoned timeline say nothing now
+            self._frontier_value = -math.inf
         log.info("SCOUT: recovered step %d (verified=%s)", step, verified)
 
     def sweep(self, step: int = 0, *, warmup: Callable[[], Any] | None = None) -> ScoutResult:
@@ -291,6 +360,7 @@ class Scout:
         self._check_open()
         if not self.config.enable:
             return self._disabled(step)
+        self.resolve()
         if warmup is not None:
             with torch.no_grad():
                 warmup()
@@ -306,9 +376,14 @@ class Scout:
         """Remove SCOUT's hooks and groups. Collective (destroys process groups)."""
         if self._closed:
             return
-        self._closed = True
         if not self.config.enable:
+            self._closed = True
             return
+        try:
+            if self._inflight is not None:
+                self._resolve()  # every rank has the same check in flight
+        finally:
+            self._closed = True
         if self._pending is not None:
             self._pending.result()  # every rank has the same broadcast in flight
             self._pending = None
@@ -338,67 +413,184 @@ class Scout:
             lambda: self.planner.plan(seq=seq, classes=enabled, progress=self.cycles.progress[gi])
         )
 
-    def _exchange(
-        self, step: int, spec: dict[str, Any], classes: set[str]
-    ) -> tuple[Assessment, Executed, list[RankReport], dict[str, float], bool]:
-        """Replay ``spec`` (its ``classes``), all-gather the reports, re-run on anomalies."""
+    def _post(self, step: int, spec: dict[str, Any], classes: set[str]) -> _Inflight:
+        """Replay ``spec`` (its ``classes``) and post the group's report all-gather."""
         t0 = time.perf_counter()
+        bytes0 = self.channel.bytes_exchanged
         done = self.executor.run(spec, classes)
         t1 = time.perf_counter()
-        first = self.channel.gather_reports(self._report(step, done))
+        posted = self.channel.post_reports(self._report(step, done))
+        timings = {"replay": t1 - t0, "exchange": 0.0, "post": time.perf_counter() - t1}
+        return _Inflight(step, classes, spec, done, posted, t0, bytes0, timings)
+
+    def _judge(self, inf: _Inflight) -> None:
+        """Wait for the group's reports, judge the group, post the job's flags all-reduce.
+
+        The group all-gather waits for the group's slowest replay (bounded by the
+        group's size); the all-reduce over the job travels in the background until
+        :meth:`_settle` (the next pre-step hook when pipelined).
+        """
+        if inf.judged is not None:
+            return
+        t0 = time.perf_counter()
+        first = inf.reports.result()
         check_consistent(first, self.groups)
-        exchange = time.perf_counter() - t1
-        replay_s = t1 - t0
         a = assess(first, self.groups, self.rule)
-        rerun = a.anomalies()
-        if rerun:
+        saved = self.coverage.snapshot(), self.cycles.snapshot()
+        pending = self.channel.post_agree(self._flags(inf, a, first).words())
+        inf.judged = (a, first, saved, pending)
+        inf.timings["exchange"] += time.perf_counter() - t0
+
+    def _settle(self, inf: _Inflight) -> tuple[Assessment, dict[int, RankReport], Flags, bool]:
+        """The job-wide verdict of ``inf``: its flags; a re-run (job-wide) on anomalies."""
+        self._judge(inf)
+        assert inf.judged is not None
+        t0 = time.perf_counter()
+        a, first, saved, pending = inf.judged
+        flags = self._agreed(pending.result())
+        rerun = flags.anomaly
+        if rerun:  # decided job-wide: a replay may be collective (FSDP2 all-gathers)
+            self.coverage.restore(saved[0])
+            self.cycles.restore(saved[1])
+            t1 = time.perf_counter()
+            again = self.executor.run(inf.spec, inf.classes)
             t2 = time.perf_counter()
-            again = self.executor.run(spec, classes)
-            t3 = time.perf_counter()
-            second = self.channel.gather_reports(self._report(step, again))
-            exchange += time.perf_counter() - t3
-            replay_s += t3 - t2
+            second = self.channel.gather_reports(self._report(inf.step, again))
+            inf.timings["replay"] += t2 - t1
+            t0 += t2 - t1
             a = assess(first, self.groups, self.rule, second)
-        for cls, text in done.errors.items():
+            flags = self._agreed(self.channel.agree(self._flags(inf, a, first).words()))
+        inf.timings["exchange"] += time.perf_counter() - t0
+        for cls, text in inf.done.errors.items():
             log.warning("rank %d: SCOUT %s replay failed: %s", self.rank, cls, text)
-        return a, done, first, {"replay": replay_s, "exchange": exchange}, rerun
+        return a, first, flags, rerun
+
+    def _flags(self, inf: _Inflight, a: Assessment, reports: dict[int, RankReport]) -> Flags:
+        """Credit this group's recipes and cycle; this rank's contribution to the flags."""
+        gi = self.groups.index_of(self.rank)
+        self.coverage.credit(inf.step, a, reports, inf.classes)
+        sdc, inconclusive = bool(a.outcomes(Outcome.SDC)), bool(a.outcomes(Outcome.INCONCLUSIVE))
+        own_done = True
+        if "dynamic" in inf.classes:
+            own_done = self.cycles.advance(a, reports, sdc or inconclusive)
+        dense = a.verdicts[(gi, "dense")]
+        block = reports[self.groups.groups[gi][0]].of("dense").recipe
+        failed = "failed on every peer" in dense.detail
+        unreplayable = dense.outcome is Outcome.NO_EVIDENCE and failed
+        return Flags(
+            sdc=sdc,
+            inconclusive=inconclusive,
+            anomaly=a.anomalies(),
+            no_evidence=not any(a.verdicts[(gi, n)].outcome is Outcome.CLEAN for n in CLASSES),
+            straggler=bool(a.suspects),
+            cycle_done=own_done,
+            frontier=self.coverage.frontier(gi),
+            seq=(self._seq, self._seq),
+            step=(inf.step, inf.step),
+            nondeterministic=block if dense.outcome is Outcome.NONDETERMINISTIC else -1,
+            unreplayable=block if unreplayable else -1,
+            corrupt_group=gi if sdc or inconclusive else -1,
+        )
+
+    @staticmethod
+    def _agreed(words: list[int]) -> Flags:
+        job = Flags.of_words(words)
+        if job.seq[0] != job.seq[1] or job.step[0] != job.step[1]:
+            raise ResiliencyError(
+                f"SCOUT ranks are at different checks: sequence {job.seq[0]}..{job.seq[1]}, step "
+                f"{job.step[0]}..{job.step[1]}; every rank must call check/before_capture at "
+                "the same steps"
+            )
+        return job
+
+    def _job_wide(self, result: ScoutResult, flags: Flags) -> ScoutResult:
+        """This group's result with what the other groups found (from the flags)."""
+        status, reasons = result.status, [result.reason] if result.reason else []
+        where = "another comparison group"
+        if flags.corrupt_group >= 0:
+            where = f"comparison group {list(self.groups.groups[flags.corrupt_group])}"
+        if flags.sdc and status is not ScoutStatus.SDC:
+            status = ScoutStatus.SDC
+            reasons.append(f"SDC found in {where}")
+        elif flags.inconclusive and not status.corrupt:
+            status = ScoutStatus.INCONCLUSIVE
+            reasons.append(f"inconclusive comparison in {where}")
+        elif flags.straggler and status is ScoutStatus.HEALTHY and not result.stragglers:
+            status = ScoutStatus.STRAGGLER
+            reasons.append("straggler in another comparison group")
+        allowed = not flags.no_evidence and not (flags.sdc or flags.inconclusive)
+        if flags.no_evidence and result.capture_allowed:
+            reasons.append("no recipe produced evidence in some group: the capture waits")
+        return replace(result, status=status, capture_allowed=allowed, reason="; ".join(reasons))
 
     def _report(self, step: int, done: Executed) -> RankReport:
         return RankReport(self._seq, step, self.fingerprint, self.latched is not None, done.reports)
 
-    def _check(self, step: int, classes: set[str]) -> ScoutResult:
+    def _check(self, step: int, classes: set[str], *, pipelined: bool = False) -> ScoutResult:
+        self.resolve()
         t0 = time.perf_counter()
-        bytes0 = self.channel.bytes_exchanged
+        bytes0 = self.channel.bytes_exchanged  # the spec travelled for this check
         pending = self._pending if self._pending is not None else self._next_regular_spec()
         self._pending = None
         self._seq += 1
         spec = pending.result()
         wait_s = time.perf_counter() - t0
-        a, done, reports, timings, rerun = self._exchange(step, spec, classes)
-        timings["exchange"] += wait_s
-        self._learn(a, reports)
-        self.coverage.credit(step, a, reports, classes)
-        corrupt = bool(a.outcomes(Outcome.SDC) or a.outcomes(Outcome.INCONCLUSIVE))
-        cycle = self.cycles.advance(a, reports, corrupt) if "dynamic" in classes else False
+        inf = self._post(step, spec, classes)
+        inf.t0, inf.bytes0, inf.timings["exchange"] = t0, bytes0, wait_s
+        self._inflight = inf
+        if pipelined:
+            self._judge(inf)  # the group's verdict now; the job's flags travel meanwhile
+            return ScoutResult(step=step, status=ScoutStatus.HEALTHY, reason="verdict pending")
+        return self._resolve()
+
+    def _resolve(self) -> ScoutResult:
+        inf = self._inflight
+        assert inf is not None
+        self._inflight = None
+        step, classes = inf.step, inf.classes
+        try:
+            a, _, flags, rerun = self._settle(inf)
+        except BaseException:
+            if inf.gate is not None:
+                inf.gate.decide(False, "the SCOUT exchange failed")
+            raise
+        self._learn(flags)
+        corrupt = flags.sdc or flags.inconclusive
+        cycle = False
+        if "dynamic" in classes:
+            if corrupt:
+                self.cycles.reset()
+            elif flags.cycle_done:
+                self.cycles.complete()
+                cycle = True
+        frontier = -math.inf if self.planner.disabled else flags.frontier
+        timings = {**inf.timings, "total": time.perf_counter() - inf.t0}
         result = compose(
             step,
             a,
             self.groups,
-            labels=done.labels,
-            timings={**timings, "total": time.perf_counter() - t0},
-            bytes_exchanged=self.channel.bytes_exchanged - bytes0,
+            labels=inf.done.labels,
+            timings=timings,
+            bytes_exchanged=self.channel.bytes_exchanged - inf.bytes0,
             rerun=rerun,
             cycle=cycle,
         )
+        result = self._job_wide(result, flags)
         self.certifier.observe(
             step,
             corrupt=result.status.corrupt,
             reason=result.reason,
             cycle_complete=cycle,
-            frontier=self._frontier(),
+            frontier=frontier,
         )
         if self.latched is not None and result.capture_allowed:
             result = blocked(result, self.latched)
+        self._frontier_value = frontier
+        if inf.gate is not None:
+            inf.gate.decide(result.capture_allowed, result.reason or "refused")
+        committed = inf.gate is None or inf.gate.accepted is True
+        if inf.captured and result.capture_allowed and committed:
+            self._certify_capture(step)
         self._pending = self._next_regular_spec()
         if self.recorder is not None:
             self.recorder.rearm()  # fresh shapes from the next forward, for the check after
@@ -408,12 +600,13 @@ class Scout:
     def _sweep(self, step: int, classes: set[str]) -> ScoutResult:
         t0 = time.perf_counter()
         bytes0 = self.channel.bytes_exchanged
-        n_groups = len(self.groups.groups)
-        sizes = [0] * n_groups  # dynamic catalog size per group (learnt in round 0)
+        gi = self.groups.index_of(self.rank)
+        size = 0  # this group's dynamic catalog size (learnt in round 0)
         rounds, r = max(len(self.blocks), 1), 0
         missing: list[str] = []
         worst: ScoutResult | None = None
         timings = {"replay": 0.0, "exchange": 0.0}
+        frontier = -math.inf
         while r < rounds:
             self._seq += 1
             seq, round_ = self._seq, r
@@ -422,49 +615,52 @@ class Scout:
                 return self.planner.plan_sweep(seq=seq, round_=round_, classes=classes)
 
             spec = self._spec(plan).result()
-            a, done, reports, t, rerun = self._exchange(step, spec, classes)
-            self._learn(a, reports)
-            self.coverage.credit(step, a, reports, classes)
+            inf = self._post(step, spec, classes)
+            a, reports, flags, rerun = self._settle(inf)
+            self._learn(flags)
+            frontier = flags.frontier
             if r == 0 and "dynamic" in classes:
-                sizes = [reports[g[0]].of("dynamic").extra for g in self.groups.groups]
-                rounds = max(rounds, *sizes)
-                missing += [
-                    f"group {gi}: empty dynamic catalog" for gi in range(n_groups) if not sizes[gi]
-                ]
+                size = reports[self.groups.groups[gi][0]].of("dynamic").extra
+                rounds = max(rounds, self.channel.agree_max([size])[0])
+                if not size:
+                    missing.append(f"group {gi}: empty dynamic catalog")
             for key in ("replay", "exchange"):
-                timings[key] += t[key]
-            for gi in range(n_groups):
-                wanted = []
-                if "dense" in classes and r < len(self.blocks):
-                    wanted.append("dense")
-                if "optimizer" in classes and r < len(self.blocks):
-                    wanted.append("optimizer")
-                if "dynamic" in classes and r < sizes[gi]:
-                    wanted.append("dynamic")
-                for name in wanted:
-                    if a.verdicts[(gi, name)].outcome is not Outcome.CLEAN:
-                        missing.append(f"group {gi} {name} round {r}")
+                timings[key] += inf.timings[key]
+            wanted = []
+            if "dense" in classes and r < len(self.blocks):
+                wanted.append("dense")
+            if "optimizer" in classes and r < len(self.blocks):
+                wanted.append("optimizer")
+            if "dynamic" in classes and r < size:
+                wanted.append("dynamic")
+            for name in wanted:
+                if a.verdicts[(gi, name)].outcome is not Outcome.CLEAN:
+                    missing.append(f"group {gi} {name} round {r}")
             res = compose(
                 step,
                 a,
                 self.groups,
-                labels=done.labels,
-                timings=t,
+                labels=inf.done.labels,
+                timings=inf.timings,
                 bytes_exchanged=0,
                 rerun=rerun,
                 cycle=False,
             )
+            res = self._job_wide(res, flags)
             if worst is None or severity(res.status) > severity(worst.status):
                 worst = res
             r += 1
         assert worst is not None
-        complete = not missing and not worst.status.corrupt
+        incomplete = bool(self.channel.agree_max([int(bool(missing))])[0])
+        complete = not incomplete and not worst.status.corrupt
         if worst.reason:
             reason = worst.reason
         elif complete:
             reason = f"complete clean sweep of {r} rounds"
-        else:
+        elif missing:
             reason = f"incomplete sweep, no evidence for: {', '.join(missing[:6])}"
+        else:
+            reason = "incomplete sweep: no evidence in another comparison group"
         result = ScoutResult(
             step=step,
             status=worst.status,
@@ -479,6 +675,7 @@ class Scout:
             complete_cycle=complete,
             groups=worst.groups,
         )
+        self._frontier_value = -math.inf if self.planner.disabled else frontier
         self.certifier.observe(
             step,
             corrupt=result.status.corrupt,
@@ -489,21 +686,21 @@ class Scout:
         return self._record(result)
 
     def _frontier(self) -> float:
-        """The newest step every recipe was checked clean at or after (see Coverage)."""
-        return self.coverage.frontier()
+        """The newest step every recipe was checked clean at or after, in every group.
 
-    def _learn(self, a: Assessment, reports: list[RankReport]) -> None:
-        """Disable blocks that cannot be replayed (identically on every rank)."""
-        for (gi, name), v in a.verdicts.items():
-            if name != "dense":
-                continue
-            block = reports[self.groups.groups[gi][0]].of("dense").recipe
-            if v.outcome is Outcome.NONDETERMINISTIC:
-                self._nondeterministic[block] += 1
-                if self._nondeterministic[block] >= _NONDETERMINISTIC_LIMIT:
-                    self._disable(block, v.detail)
-            elif v.outcome is Outcome.NO_EVIDENCE and "failed on every peer" in v.detail:
-                self._disable(block, v.detail)
+        As agreed by the last check's flags (see Coverage; each rank knows its own group).
+        """
+        return self._frontier_value
+
+    def _learn(self, flags: Flags) -> None:
+        """Disable blocks that cannot be replayed (the same block on every rank)."""
+        block = flags.nondeterministic
+        if block >= 0:
+            self._nondeterministic[block] += 1
+            if self._nondeterministic[block] >= _NONDETERMINISTIC_LIMIT:
+                self._disable(block, "not reproducible on this device (twice)")
+        if flags.unreplayable >= 0:
+            self._disable(flags.unreplayable, "its replay failed on every peer")
 
     def _disable(self, block: int, why: str) -> None:
         if block in self.planner.disabled or not 0 <= block < len(self.blocks):

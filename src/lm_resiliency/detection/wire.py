@@ -1,17 +1,20 @@
-"""SCOUT's collectives: the replay spec broadcast and the job-wide report exchange.
+"""SCOUT's collectives: the spec broadcast, the group's report exchange, the job's flags.
 
-Both run on private CPU Gloo groups that SCOUT creates (so they work beside an
+All run on private CPU Gloo groups that SCOUT creates (so they work beside an
 NCCL training group and never interleave with the training's collectives):
 
 * ``send_spec``: the comparison group's source peer sends the replay spec (a
   JSON document) to its group in one fixed-size ``uint8`` broadcast that runs in
   the background (a spec longer than :data:`SPEC_BYTES` sends its rest in a
   second, synchronous broadcast);
-* ``gather_reports``: every rank's fixed-size :class:`RankReport` (144 bytes)
-  is all-gathered over the whole job. Every rank then evaluates every group from
-  the same bytes, so this single exchange is also the job-wide agreement
-  (cycle complete? SDC in any group?) that precedes any save, promotion or
-  rejection.
+* ``post_reports``: every rank's fixed-size :class:`RankReport` (144 bytes) is
+  all-gathered inside its **comparison group** only, asynchronously (resolved
+  with :meth:`PendingReports.result`). Every member judges its group from the
+  same bytes;
+* ``agree``: the job-wide agreement (SDC anywhere? every group's cycle done?
+  the recipe coverage's minimum?) is one all-reduce (max) of
+  :data:`FLAG_WORDS` int64 words over the whole job: O(1) bytes per rank,
+  whatever the world size.
 
 No pickle: specs are JSON, reports are ``struct``-packed.
 """
@@ -130,6 +133,120 @@ class PendingSpec:
         return self._doc
 
 
+class PendingReports:
+    """A group's report all-gather in flight (started with :meth:`Channel.post_reports`)."""
+
+    def __init__(self, ranks: tuple[int, ...], out: list[torch.Tensor], work: Any) -> None:
+        self._ranks, self._out, self._work = ranks, out, work
+        self._done: dict[int, RankReport] | None = None
+
+    def result(self) -> dict[int, RankReport]:
+        """Wait for the all-gather; the reports by global rank (idempotent)."""
+        if self._done is None:
+            self._work.wait()
+            self._done = {
+                r: RankReport.unpack(bytes(t.numpy().tobytes()))
+                for r, t in zip(self._ranks, self._out, strict=True)
+            }
+        return self._done
+
+
+class PendingMax:
+    """A job-wide all-reduce (max) in flight (started with :meth:`Channel.post_agree`)."""
+
+    def __init__(self, t: torch.Tensor, work: Any) -> None:
+        self._t, self._work = t, work
+        self._done: list[int] | None = None
+
+    def result(self) -> list[int]:
+        if self._done is None:
+            self._work.wait()
+            self._done = [int(v) for v in self._t.tolist()]
+        return self._done
+
+
+#: Words of the job-wide flags all-reduce (see :class:`Flags`).
+FLAG_WORDS = 15
+_BIG = 1 << 62
+
+
+def encode_step(value: float) -> int:
+    """A step or ``+-inf`` as an int64 that orders the same way."""
+    if value == float("inf"):
+        return _BIG
+    if value == float("-inf"):
+        return -_BIG
+    return int(value)
+
+
+def decode_step(value: int) -> float:
+    return float("inf") if value >= _BIG else float("-inf") if value <= -_BIG else float(value)
+
+
+@dataclass(frozen=True)
+class Flags:
+    """What the whole job agrees on after each check round, from every rank's group.
+
+    Reduced by maximum, so "any" flags are 0/1 and minima travel negated.
+    ``frontier``: the minimum over the groups of the newest step every recipe was
+    checked clean at or after; ``cycle_done``: every group completed its dynamic
+    cycle; ``nondeterministic``/``unreplayable``: the dense block (index) found
+    not reproducible / failing on every peer in some group, or -1.
+    """
+
+    sdc: bool = False
+    inconclusive: bool = False
+    anomaly: bool = False
+    no_evidence: bool = False
+    straggler: bool = False
+    cycle_done: bool = True
+    frontier: float = float("inf")
+    seq: tuple[int, int] = (0, 0)
+    step: tuple[int, int] = (0, 0)
+    nondeterministic: int = -1
+    unreplayable: int = -1
+    incomplete: bool = False
+    corrupt_group: int = -1
+    """The highest index of a comparison group that found SDC or was inconclusive, or -1."""
+
+    def words(self) -> list[int]:
+        return [
+            int(self.sdc),
+            int(self.inconclusive),
+            int(self.anomaly),
+            int(self.no_evidence),
+            int(self.straggler),
+            int(not self.cycle_done),
+            -encode_step(self.frontier),
+            self.seq[1],
+            -self.seq[0],
+            self.step[1],
+            -self.step[0],
+            self.nondeterministic,
+            self.unreplayable,
+            int(self.incomplete),
+            self.corrupt_group,
+        ]
+
+    @classmethod
+    def of_words(cls, w: list[int]) -> Flags:
+        return cls(
+            sdc=bool(w[0]),
+            inconclusive=bool(w[1]),
+            anomaly=bool(w[2]),
+            no_evidence=bool(w[3]),
+            straggler=bool(w[4]),
+            cycle_done=not w[5],
+            frontier=decode_step(-w[6]),
+            seq=(-w[8], w[7]),
+            step=(-w[10], w[9]),
+            nondeterministic=w[11],
+            unreplayable=w[12],
+            incomplete=bool(w[13]),
+            corrupt_group=w[14],
+        )
+
+
 class Channel:
     """SCOUT's private Gloo groups of one rank. Construct on every rank (collective)."""
 
@@ -171,15 +288,44 @@ class Channel:
         work = dist.broadcast(buf, src=self.source, group=self.group, async_op=True)
         return PendingSpec(self, buf, work, overflow)
 
-    def gather_reports(self, report: RankReport) -> list[RankReport]:
-        """Collective over the whole job: every rank's report, in rank order."""
+    def post_reports(self, report: RankReport) -> PendingReports:
+        """Collective in the comparison group: start all-gathering every member's report.
+
+        Returns at once; :meth:`PendingReports.result` waits and decodes.
+        """
         raw = report.pack()
         mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        world = dist.get_world_size(self.world)
-        out = [torch.empty(len(raw), dtype=torch.uint8) for _ in range(world)]
-        dist.all_gather(out, mine, group=self.world)
-        self.bytes_exchanged += len(raw) * world
-        return [RankReport.unpack(bytes(t.numpy().tobytes())) for t in out]
+        out = [torch.empty(len(raw), dtype=torch.uint8) for _ in self.group_ranks]
+        # The list form: Gloo runs it on its own threads (the fused one blocks here).
+        work = dist.all_gather(out, mine, group=self.group, async_op=True)
+        self.bytes_exchanged += len(raw) * len(self.group_ranks)
+        return PendingReports(self.group_ranks, out, work)
+
+    def gather_reports(self, report: RankReport) -> dict[int, RankReport]:
+        """Collective in the comparison group: every member's report, by global rank."""
+        return self.post_reports(report).result()
+
+    def agree(self, flags: list[int]) -> list[int]:
+        """Collective over the job: the element-wise maximum of every rank's ``flags``."""
+        if len(flags) != FLAG_WORDS:
+            raise ResiliencyError(f"SCOUT flags have {len(flags)} words, expected {FLAG_WORDS}")
+        return self.agree_max(flags)
+
+    def post_agree(self, flags: list[int]) -> PendingMax:
+        """Collective over the job: start :meth:`agree`; ``result()`` gives the maximum."""
+        if len(flags) != FLAG_WORDS:
+            raise ResiliencyError(f"SCOUT flags have {len(flags)} words, expected {FLAG_WORDS}")
+        t = torch.tensor(flags, dtype=torch.int64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world, async_op=True)
+        self.bytes_exchanged += FLAG_WORDS * 8
+        return PendingMax(t, work)
+
+    def agree_max(self, values: list[int]) -> list[int]:
+        """Collective over the job: the element-wise maximum of every rank's int64 ``values``."""
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world)
+        self.bytes_exchanged += len(values) * 8
+        return [int(v) for v in t.tolist()]
 
     def gather_u64(self, values: list[int]) -> list[list[int]]:
         """Collective over the job: every rank's list of unsigned 64-bit values (same length)."""

@@ -1,7 +1,7 @@
 """torchrun worker: the plain loop with SCOUT (``ScoutConfig()``), a persistent SDC, a crash.
 
 ``python -m torch.distributed.run ... tests/faults/workers/scout_loop.py --out DIR
---steps N --disk-folder DIR --onset S --kill-step K``
+--steps N --disk-folder DIR --onset S --kill-step K [--pipeline]``
 
 In the job's first generation rank 2 computes the GPT's final norm (``ln_f``, a
 signature of its own) wrong from step S on; SCOUT finds it when the rotation
@@ -54,6 +54,7 @@ def train(argv: list[str]) -> None:
     p.add_argument("--disk-folder", type=Path, required=True)
     p.add_argument("--onset", type=int, required=True)
     p.add_argument("--kill-step", type=int, required=True)
+    p.add_argument("--pipeline", action="store_true", help="ScoutConfig(pipeline=True)")
     args = p.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = restart_count() or 0
@@ -74,7 +75,7 @@ def train(argv: list[str]) -> None:
         interval=INTERVAL,
         state={"loader": loader},
         config=config,
-        scout=ScoutConfig(),
+        scout=ScoutConfig(pipeline=args.pipeline),
     )
     decision = resiliency.last_recovery.decision
     start = {
