@@ -44,6 +44,7 @@ from lm_resiliency.detection.groups import ComparisonGroups
 from lm_resiliency.detection.planner import Planner
 from lm_resiliency.detection.recipes import Cycles, DynamicCatalog
 from lm_resiliency.detection.result import CHECK_EVENT, ScoutResult, ScoutStatus
+from lm_resiliency.detection.saved_catalog import CatalogKeeper, layout_of
 from lm_resiliency.detection.scout_config import ScoutConfig
 from lm_resiliency.detection.signature import Recorder
 from lm_resiliency.detection.verdict import Outcome, StragglerRule
@@ -105,6 +106,12 @@ class Scout:
         self.events = events
         self.last_result: ScoutResult | None = None
         self._closed = False
+        if dynamic is not None and config.catalog is not None and dynamic is not config.catalog:
+            raise ConfigError(
+                "two dynamic catalogs: Scout(dynamic=...) and ScoutConfig(catalog=...); give "
+                "the catalog once (ScoutConfig(catalog=DynamicCatalog(...)))"
+            )
+        dynamic = dynamic if dynamic is not None else config.catalog
         default = interval if interval is not None else _DEFAULT_INTERVAL
         if isinstance(default, bool) or not isinstance(default, int) or default < 1:
             raise ConfigError(f"interval={interval!r} must be a positive int (GEMINI's interval)")
@@ -150,6 +157,15 @@ class Scout:
         self.planner = Planner(
             self.blocks, self.recorder, self.dynamic, self.dynamic_recorder, seed=config.seed
         )
+        # The source saves what it records with the trust records, so that a restarted
+        # job can sweep before its first forward (docs/scout.md, "Recovery decisions").
+        self.catalog = CatalogKeeper(
+            manager if self.is_source else None,
+            layout=layout_of(self.blocks, self.dynamic),
+            recorder=self.recorder,
+            dynamic=self.dynamic,
+        )
+        self.planner.saved = self.catalog.load(len(self.blocks))
         self.coverage = Coverage(
             self.blocks,
             self.groups,
@@ -254,6 +270,7 @@ class Scout:
                 "before_capture at the boundary and capture only when it returns True"
             )
         self._pending_capture = None
+        self.catalog.maybe_save(self.planner.snapshot)
         trust = self.certifier.captured(step, frontier=self._frontier())
         if trust is TrustStatus.CANDIDATE and not self.certifier.dynamic:
             log.debug("SCOUT: step %d is a CANDIDATE until every recipe is checked clean", step)
