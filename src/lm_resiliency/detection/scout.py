@@ -302,8 +302,10 @@ class Scout:
 
         For recovery after a hang: ``result.complete_cycle`` is True only when
         every recipe was replayed and compared clean in every group. Blocks never
-        seen in a forward (a fresh process) have no shapes: pass ``warmup`` (run
-        one forward on a representative batch) or the sweep is incomplete.
+        seen in a forward replay the shapes a previous process saved with the trust
+        records (``saved_catalog``); without those (a fresh process and no saved
+        catalog) pass ``warmup`` (one forward on a representative batch) or the
+        sweep is incomplete.
         """
         self._check_open()
         if not self.config.enable:

@@ -74,7 +74,7 @@ def enable_resiliency(
     ``mtgs=MTGSConfig(...)`` makes each step a transaction through
     :meth:`ResiliencyHandle.train_step` (DDP only). ``scout=ScoutConfig(...)`` runs a SCOUT
     check before every capture at the same boundary (a capture is taken only when it is
-    accepted, and a dense check certifies it ``RECOVERY_VERIFIED`` at once;
+    accepted, and certified as docs/scout.md "Certification" says;
     ``handle.last_scout`` is the latest result) and makes the recovery on enable follow the
     failure kind: ``failure_kind`` (``"sdc"``, ``"inaccessible"``, ``"straggler"``,
     ``"hang"``, ``"unknown"``) or ``$LM_RESILIENCY_FAILURE_KIND`` (an orchestrator's
