@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from scout_fixtures import TinyMoE, accepted
@@ -28,6 +29,8 @@ from lm_resiliency import InMemoryCkptConfig, RecoveryMode, ScoutConfig, enable_
 from lm_resiliency.detection import DynamicCatalog, RecipeClass, ScoutStatus
 from lm_resiliency.faults import ComputeFaults, PersistentSDC
 from lm_resiliency.testing import run_distributed
+
+pytestmark = pytest.mark.slow  # two 4-rank jobs: about two minutes on the shared 2-core host
 
 INTERVAL, ONSET, STEPS = 5, 22, 30
 

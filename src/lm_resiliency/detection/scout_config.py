@@ -111,6 +111,9 @@ _RULES: dict[str, Rules] = {
     "dense": _ANY_RECIPE,
     "optimizer": _ANY_RECIPE,
     "dynamic": _ANY_RECIPE,
+    "catalog": Rule(
+        lambda v: True, "", "catalog=DynamicCatalog(model.experts, shapes=[[(64, 512)]])"
+    ),
     "seed": at_least(0, "is invalid; use an int >= 0", "seed=0"),
     "straggler_mad_factor": Rule(
         lambda v: v > 0, "is invalid; use a number > 0", "straggler_mad_factor=5.0"
