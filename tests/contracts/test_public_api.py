@@ -58,8 +58,8 @@ def test_enable_resiliency_keeps_its_documented_signature() -> None:
 
     params = inspect.signature(lm_resiliency.enable_resiliency).parameters
     assert list(params) == [
-        "model", "optimizer", "interval", "load_fallback", "state", "config", "mtgs", "scout",
-        "failure_kind", "faults",
+        "model", "optimizer", "interval", "load_fallback", "save_durable", "state", "config",
+        "mtgs", "scout", "failure_kind", "faults",
     ]  # fmt: skip
     assert params["interval"].default == 10
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY for n in list(params)[2:])

@@ -426,3 +426,21 @@ def test_a_plateau_scheduler_is_refused_at_enable_and_mtgs_replays_nothing() -> 
     with pytest.raises(ConfigError, match=r"state\['plateau'\] is a ReduceLROnPlateau"):
         enable_resiliency(model, opt, interval=3, state={"plateau": plateau})
     assert SchedulerReplay([("plateau", plateau)], active=False).to_replay() == []
+
+
+def test_a_save_durable_that_is_not_callable_is_refused_naming_it() -> None:
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"save_durable='ckpt/' must be a callable"):
+        enable_resiliency(model, opt, save_durable="ckpt/")  # type: ignore[arg-type]
+
+
+def test_the_dynamic_catalog_is_given_once() -> None:
+    from lm_resiliency.detection import DynamicCatalog, Scout
+
+    experts = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    with pytest.raises(ConfigError, match=r"must be a DynamicCatalog or None, e\.g\. catalog="):
+        ScoutConfig(catalog=experts)  # type: ignore[arg-type]
+    config = ScoutConfig(catalog=DynamicCatalog(experts, shapes=[[(2, 4)]]))
+    with pytest.raises(ConfigError, match="two dynamic catalogs"):
+        Scout(config, nn.Sequential(*experts), dynamic=DynamicCatalog(experts))

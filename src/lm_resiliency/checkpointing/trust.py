@@ -12,17 +12,21 @@ training. ``wait(timeout_s)`` blocks until every write submitted so far is done.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
+from lm_resiliency import _strict_json as strict_json
 from lm_resiliency.capture.gate import CommitGate
 from lm_resiliency.checkpointing.disk import LocalDisk
 from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.persistence import RecoveryVerdict, TrustStatus
+from lm_resiliency.persistence.namespace import catalog_file
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +220,41 @@ class TrustLedger:
         self.wait()
         store = self._disk.existing()
         return None if store is None else store.sidecar.status().verdict
+
+    # -- SCOUT's catalog ---------------------------------------------------------
+
+    def save_catalog(self, doc: dict[str, Any]) -> None:
+        """Persist SCOUT's replay catalog (shapes and argument structures, never tensors).
+
+        ``doc`` is a JSON document (:mod:`lm_resiliency.detection.saved_catalog`); it
+        replaces this rank's ``scout-catalog-rank-<R>.json`` beside the status sidecar,
+        written in the background. A restarted job reads it back with
+        :meth:`saved_catalog`, so it can sweep before its first forward.
+        """
+        self._check_open()
+        body = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+        store = self._disk.store
+        self._in_background(lambda: store().sidecar.write_catalog(body), "SCOUT catalog")
+
+    def saved_catalog(self) -> Any:
+        """This rank's saved SCOUT catalog as parsed strict JSON, ``None`` when there is none.
+
+        Never creates the disk folder. Raises ``ValueError`` naming the file when it
+        is not strict JSON (NaN, duplicate keys, bad UTF-8) or too large, and
+        ``UnsafePathError`` when it is a link or not a file of ours.
+        """
+        self.wait()
+        store = self._disk.existing()
+        if store is None:
+            return None
+        raw = store.sidecar.read_catalog()
+        if raw is None:
+            return None
+        try:
+            return strict_json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            where = store.topology_path / catalog_file(self._rank)
+            raise ValueError(f"{where} is not strict JSON ({exc})") from None
 
     # -- GEMINI's side -----------------------------------------------------------
 

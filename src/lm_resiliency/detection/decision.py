@@ -153,10 +153,10 @@ def decide_recovery(
     with ``scout``, the latest step is first applied with ``load_latest(step)``
     (the caller loads it into the model, on every rank; without it the sweep
     runs on the model's current state, as in a job that is still alive), then
-    the catalog is swept on it (``warmup`` runs one forward so a fresh process knows the
-    shapes); a clean complete sweep keeps it, anything else chooses the
-    verified step, which the caller then loads. Raises ``ConfigError`` for an
-    unknown failure kind.
+    the catalog is swept on it (a restarted process replays the catalog saved with the
+    trust records; ``warmup`` runs one forward where none was saved); a clean complete
+    sweep keeps it, anything else chooses the verified step, which the caller then
+    loads. Raises ``ConfigError`` for an unknown failure kind.
     """
     environ = os.environ if env is None else env
     if failure_kind is not None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from lm_resiliency.detection.blocks import Block
 from lm_resiliency.detection.recipes import DynamicCatalog
+from lm_resiliency.detection.saved_catalog import SavedCatalog
 from lm_resiliency.detection.signature import CallSignature, Recorder, encode
 
 
@@ -51,9 +52,14 @@ class Planner:
         self.snapshot: list[CallSignature] = []
         self.disabled: set[int] = set()
         """Blocks that cannot be replayed (failed on every peer, or not reproducible)."""
+        self.saved: SavedCatalog | None = None
+        """The catalog a previous process saved: shapes for blocks not recorded yet."""
 
     def _signature(self, index: int) -> CallSignature | None:
-        return None if self.recorder is None else self.recorder.signature(index)
+        sig = None if self.recorder is None else self.recorder.signature(index)
+        if sig is None and self.saved is not None and index < len(self.saved.dense):
+            return self.saved.dense[index]
+        return sig
 
     def pick_block(self, *, need_signature: bool) -> tuple[int, CallSignature | None]:
         """The next block in rotation (with a recorded signature when one is needed)."""
@@ -99,7 +105,12 @@ class Planner:
         return doc
 
     def _snapshot(self) -> list[CallSignature]:
-        return [] if self.dynamic is None else self.dynamic.snapshot(self.dynamic_recorder)
+        if self.dynamic is None:
+            return []
+        found = self.dynamic.snapshot(self.dynamic_recorder)
+        if not found and self.saved is not None:
+            return list(self.saved.dynamic)  # a fresh process: the recipes saved before
+        return found
 
     def _dynamic(self, k: int) -> dict[str, Any] | None:
         if self.dynamic is None or not self.snapshot:

@@ -47,6 +47,7 @@ from lm_resiliency.detection.groups import ComparisonGroups
 from lm_resiliency.detection.planner import Planner
 from lm_resiliency.detection.recipes import Cycles, DynamicCatalog
 from lm_resiliency.detection.result import CHECK_EVENT, ScoutResult, ScoutStatus
+from lm_resiliency.detection.saved_catalog import CatalogKeeper, layout_of
 from lm_resiliency.detection.scout_config import ScoutConfig
 from lm_resiliency.detection.signature import Recorder
 from lm_resiliency.detection.verdict import Outcome, StragglerRule
@@ -135,6 +136,12 @@ class Scout:
         self.events = events
         self.last_result: ScoutResult | None = None
         self._closed = False
+        if dynamic is not None and config.catalog is not None and dynamic is not config.catalog:
+            raise ConfigError(
+                "two dynamic catalogs: Scout(dynamic=...) and ScoutConfig(catalog=...); give "
+                "the catalog once (ScoutConfig(catalog=DynamicCatalog(...)))"
+            )
+        dynamic = dynamic if dynamic is not None else config.catalog
         default = interval if interval is not None else _DEFAULT_INTERVAL
         if isinstance(default, bool) or not isinstance(default, int) or default < 1:
             raise ConfigError(f"interval={interval!r} must be a positive int (GEMINI's interval)")
@@ -180,6 +187,15 @@ class Scout:
         self.planner = Planner(
             self.blocks, self.recorder, self.dynamic, self.dynamic_recorder, seed=config.seed
         )
+        # The source saves what it records with the trust records, so that a restarted
+        # job can sweep before its first forward (docs/scout.md, "Recovery decisions").
+        self.catalog = CatalogKeeper(
+            manager if self.is_source else None,
+            layout=layout_of(self.blocks, self.dynamic),
+            recorder=self.recorder,
+            dynamic=self.dynamic,
+        )
+        self.planner.saved = self.catalog.load(len(self.blocks))
         self.coverage = Coverage(
             self.blocks,
             self.groups,
@@ -315,6 +331,7 @@ class Scout:
                 "before_capture at the boundary and capture only when it returns True"
             )
         self._pending_capture = None
+        self.catalog.maybe_save(self.planner.snapshot)
         inflight = self._inflight
         if inflight is not None and inflight.step == step:
             inflight.captured = True  # certified when its verdict resolves
@@ -354,8 +371,10 @@ class Scout:
 
         For recovery after a hang: ``result.complete_cycle`` is True only when
         every recipe was replayed and compared clean in every group. Blocks never
-        seen in a forward (a fresh process) have no shapes: pass ``warmup`` (run
-        one forward on a representative batch) or the sweep is incomplete.
+        seen in a forward replay the shapes a previous process saved with the trust
+        records (``saved_catalog``); without those (a fresh process and no saved
+        catalog) pass ``warmup`` (one forward on a representative batch) or the
+        sweep is incomplete.
         """
         self._check_open()
         if not self.config.enable:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lm_resiliency._validate import Rule, Rules, at_least, positive_time, validate
+from lm_resiliency.detection.recipes import DynamicCatalog
 from lm_resiliency.errors import ConfigError
 
 
@@ -51,6 +52,14 @@ class ScoutConfig:
 
     dynamic: RecipeClass = field(default_factory=RecipeClass)
     """One recipe of the dynamic catalog (e.g. MoE expert shapes) per check, if one is given."""
+
+    catalog: DynamicCatalog | None = None
+    """The dynamic catalog: modules sharing one architecture (MoE experts) and their
+    shapes, ``DynamicCatalog(model.experts, shapes=[[(64, 512)], [(128, 512)]])`` (or
+    discovered from the training with ``shapes=None``). With it the dynamic class
+    checks one recipe per interval and certifies by cycles: a capture after a complete
+    accepted cycle is a ``CANDIDATE`` (the framework writes its durable candidate) and
+    becomes ``RECOVERY_VERIFIED`` after the next one. ``None``: dense recipes only."""
 
     seed: int = 0
     """Seed of the synthetic replay inputs and of the replay's dropout masks."""
@@ -109,6 +118,9 @@ _RULES: dict[str, Rules] = {
     "dense": _ANY_RECIPE,
     "optimizer": _ANY_RECIPE,
     "dynamic": _ANY_RECIPE,
+    "catalog": Rule(
+        lambda v: True, "", "catalog=DynamicCatalog(model.experts, shapes=[[(64, 512)]])"
+    ),
     "seed": at_least(0, "is invalid; use an int >= 0", "seed=0"),
     "straggler_mad_factor": Rule(
         lambda v: v > 0, "is invalid; use a number > 0", "straggler_mad_factor=5.0"

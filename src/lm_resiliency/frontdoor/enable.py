@@ -12,6 +12,7 @@ import torch.distributed as dist
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.detection import ComparisonGroups, Scout, ScoutConfig
+from lm_resiliency.errors import ConfigError
 from lm_resiliency.faults import FaultInjector
 from lm_resiliency.frontdoor.boundary import CaptureBoundary, WaitOnly
 from lm_resiliency.frontdoor.handle import ResiliencyHandle
@@ -38,6 +39,7 @@ def enable_resiliency(
     *,
     interval: int = 10,
     load_fallback: Callable[[], int | None] | None = None,
+    save_durable: Callable[[int], None] | None = None,
     state: Mapping[str, Any] | None = None,
     config: InMemoryCkptConfig | ResiliencyConfig | None = None,
     mtgs: MTGSConfig | None = None,
@@ -59,6 +61,13 @@ def enable_resiliency(
     is applied to all of them (``handle.start_step``); when no GEMINI step is
     common to all ranks, ``load_fallback()`` runs on every rank, restores the
     durable checkpoint itself and returns its step (or ``None``: fresh start).
+    ``save_durable(step)``, its partner, writes that durable checkpoint of the live
+    state when SCOUT makes ``step`` a ``CANDIDATE`` of a dynamic catalog
+    (``ScoutConfig(catalog=...)``, e.g. MoE experts): on every rank, on the training
+    thread, right after the capture of ``step``; keep it asynchronous, and keep it from
+    becoming what ``load_fallback`` loads until it is verified (the handle's
+    ``manager.find_latest(RecoveryMode.RECOVERY_VERIFIED)``). Framework adapters that
+    own durable checkpoints (TorchTitan, DeepSpeed) bring their own.
 
     ``interval`` overrides ``config.interval``. ``config`` may also be a
     :class:`ResiliencyConfig` holding all three tiers (``gemini``, ``mtgs``, ``scout``); a
@@ -66,7 +75,7 @@ def enable_resiliency(
     ``mtgs=MTGSConfig(...)`` makes each step a transaction through
     :meth:`ResiliencyHandle.train_step` (DDP only). ``scout=ScoutConfig(...)`` runs a SCOUT
     check before every capture at the same boundary (a capture is taken only when it is
-    accepted, and a dense check certifies it ``RECOVERY_VERIFIED`` at once;
+    accepted, and certified as docs/scout.md "Certification" says;
     ``handle.last_scout`` is the latest result) and makes the recovery on enable follow the
     failure kind: ``failure_kind`` (``"sdc"``, ``"inaccessible"``, ``"straggler"``,
     ``"hang"``, ``"unknown"``) or ``$LM_RESILIENCY_FAILURE_KIND`` (an orchestrator's
@@ -89,6 +98,7 @@ def enable_resiliency(
         adapter,
         config=cfg,
         load_fallback=load_fallback,
+        save_durable=save_durable,
         state=state,
         mtgs=mtgs,
         scout=scout,
@@ -102,6 +112,7 @@ def enable_adapter(
     *,
     config: InMemoryCkptConfig,
     load_fallback: Callable[[], int | None] | None = None,
+    save_durable: Callable[[int], None] | None = None,
     state: Mapping[str, Any] | None = None,
     mtgs: MTGSConfig | None = None,
     restore_rng: Callable[[dict[str, Any]], None] | None = None,
@@ -123,6 +134,11 @@ def enable_adapter(
     mtgs_config = check_mtgs(mtgs, adapter)
     injector = check_faults(faults, mtgs_config)
     scout_config = check_scout(scout, adapter)
+    if save_durable is not None and not callable(save_durable):
+        raise ConfigError(
+            f"save_durable={save_durable!r} must be a callable taking the candidate step, "
+            "e.g. save_durable=lambda step: save_my_checkpoint(step)"
+        )
     adapter.validate_capture()
     layout = adapter.parallel_layout()
     objects = StateObjects(state, complete_scaler_update=mtgs_config is None)
@@ -146,7 +162,8 @@ def enable_adapter(
     installed = False
     try:
         if scout_config is not None:
-            checker = _scout(scout_config, adapter, layout, manager)
+            candidate = save_durable if save_durable is not None else adapter.durable_candidate()
+            checker = _scout(scout_config, adapter, layout, manager, candidate)
         if resumed_step is None:
             recovery = resume(
                 manager, tree.apply, fallback, scout=checker, failure_kind=failure_kind
@@ -209,7 +226,11 @@ def _also_removing(unbind: Unbind, injector: FaultInjector) -> Unbind:
 
 
 def _scout(
-    config: ScoutConfig, adapter: Adapter, layout: Any, manager: InMemoryCheckpointManager
+    config: ScoutConfig,
+    adapter: Adapter,
+    layout: Any,
+    manager: InMemoryCheckpointManager,
+    on_candidate: Callable[[int], None] | None,
 ) -> Scout:
     """SCOUT over the adapter's model and comparison groups, certifying ``manager``'s captures."""
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -218,7 +239,12 @@ def _scout(
     if rest:
         log.info("SCOUT checks the first of %d model chunks", 1 + len(rest))
     return Scout(
-        config, model, manager=manager.trust, groups=groups, interval=manager.config.interval
+        config,
+        model,
+        manager=manager.trust,
+        groups=groups,
+        interval=manager.config.interval,
+        on_candidate=on_candidate,
     )
 
 

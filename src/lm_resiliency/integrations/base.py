@@ -55,6 +55,7 @@ from lm_resiliency.errors import ConfigError
 __all__ = [
     "Adapter",
     "AdapterBase",
+    "DurableCandidate",
     "DurableFallback",
     "ParallelLayout",
     "StepBoundary",
@@ -63,6 +64,10 @@ __all__ = [
 
 DurableFallback = Callable[[], "int | None"]
 """The framework's own durable-checkpoint loader: restores in place, returns the step or None."""
+
+DurableCandidate = Callable[[int], None]
+"""Writes the framework's durable checkpoint of the live state as SCOUT's candidate of ``step``
+(``save_durable(step)``); runs on every rank at the same step."""
 
 Unbind = Callable[[], None]
 """Undoes :meth:`Adapter.bind` (removes the hooks or callbacks it installed)."""
@@ -191,6 +196,16 @@ class Adapter(Protocol):
         """The framework's own durable-checkpoint loader, or ``None`` (the caller's is used)."""
         ...
 
+    def durable_candidate(self) -> DurableCandidate | None:
+        """The framework's durable-candidate writer (SCOUT's dynamic catalogs), or ``None``.
+
+        Called on every rank, on the training thread, at the capture boundary whose
+        step became SCOUT's ``CANDIDATE``, with the live state equal to that capture.
+        It must not move the framework's "latest" pointer: a candidate can still be
+        rejected, and the durable fallback must never load a rejected one.
+        """
+        ...
+
     def modules(self) -> Sequence[torch.nn.Module]:
         """The modules SCOUT derives its recipes from (the unwrapped model)."""
         ...
@@ -290,6 +305,9 @@ class AdapterBase:
         return ParallelLayout()
 
     def durable_fallback(self) -> DurableFallback | None:
+        return None
+
+    def durable_candidate(self) -> DurableCandidate | None:
         return None
 
     def modules(self) -> Sequence[torch.nn.Module]:

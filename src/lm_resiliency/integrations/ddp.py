@@ -103,6 +103,19 @@ class DDPAdapter(ModuleAdapter):
                 "marked a parameter ready twice); the first resumed step may round differently"
             )
         if self._replay and order:
+            if self._restored is not None and not getattr(self.ddp, "_has_rebuilt_buckets", True):
+                # Restored twice before a forward (a hang's sweep applies the latest step,
+                # then verified recovery an older one): the reducer already holds the
+                # replayed order, and a second replay would record every parameter twice.
+                if order != self._restored:
+                    log.warning(
+                        "a second restore before the first forward carries another DDP "
+                        "gradient-ready order (%s, kept %s); the first resumed step may round "
+                        "differently",
+                        order,
+                        self._restored,
+                    )
+                return
             replay_ready_order(self.ddp, order)
             self._restored = order
 

@@ -5,6 +5,7 @@
     <disk_folder>/run-<sha256(run_id)[:16]>/run.json
                  /run-.../topo-<sha256(topology)[:16]>/topology.json
                  /run-.../topo-.../status-rank-<R>.json          (per-rank sidecar)
+                 /run-.../topo-.../scout-catalog-rank-<R>.json   (SCOUT's replay shapes)
                  /run-.../topo-.../step-<N>/rank-<O>.safetensors (owner O's state at step N)
 
 Directory names are opaque but deterministic, so every rank of a run finds the
@@ -74,6 +75,11 @@ def trust_marker_file(owner_rank: int) -> str:
 def sidecar_file(rank: int) -> str:
     """File name of ``rank``'s status sidecar inside the topology directory."""
     return f"status-rank-{rank}.json"
+
+
+def catalog_file(rank: int) -> str:
+    """File name of ``rank``'s saved SCOUT catalog (replay shapes) inside the topology directory."""
+    return f"scout-catalog-rank-{rank}.json"
 
 
 def is_run_dir(name: str) -> bool:

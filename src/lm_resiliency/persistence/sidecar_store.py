@@ -24,7 +24,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from lm_resiliency._safefs import entry_kind, open_subdir, opened_dir
+from lm_resiliency._safefs import (
+    entry_kind,
+    open_file_nofollow,
+    open_subdir,
+    opened_dir,
+    pread_exact,
+)
 from lm_resiliency.errors import ConfigError, SidecarUnavailable, UnsafePathError
 from lm_resiliency.persistence import namespace as ns
 from lm_resiliency.persistence.publish import publish_bytes
@@ -33,7 +39,10 @@ from lm_resiliency.persistence.trust import RecoveryVerdict, TrustStatus
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SidecarStore", "has_marker"]
+__all__ = ["MAX_CATALOG_BYTES", "SidecarStore", "has_marker"]
+
+#: Bound on a saved SCOUT catalog (signatures of shapes, never tensors).
+MAX_CATALOG_BYTES = 4 << 20
 
 
 class SidecarStore:
@@ -126,6 +135,41 @@ class SidecarStore:
     def set_verdict(self, verdict: RecoveryVerdict | None) -> SidecarStatus:
         """Publish SCOUT's recovery verdict in the sidecar (``None`` clears it)."""
         return self._update(lambda s: s.with_verdict(verdict))
+
+    def write_catalog(self, body: bytes) -> None:
+        """Atomically replace this rank's saved SCOUT catalog (``scout-catalog-rank-<R>.json``)."""
+        if len(body) > MAX_CATALOG_BYTES:
+            raise ValueError(
+                f"a SCOUT catalog of {len(body)} bytes exceeds {MAX_CATALOG_BYTES}; it holds "
+                "shapes only, so this is a bug"
+            )
+        with self._lock, opened_dir(self._root, self._parts, create=True) as topo_fd:
+            publish_bytes(topo_fd, ns.catalog_file(self.rank), body)
+
+    def read_catalog(self) -> bytes | None:
+        """The bytes of this rank's saved SCOUT catalog, ``None`` when there is none.
+
+        Never follows a link; raises ``UnsafePathError`` for an entry that is not a
+        regular file of ours and ``ValueError`` for one larger than the bound.
+        """
+        name = ns.catalog_file(self.rank)
+        try:
+            with opened_dir(self._root, self._parts, create=False) as topo_fd:
+                fd = open_file_nofollow(
+                    topo_fd, name, os.O_RDONLY, where=str(self._topology_path / name)
+                )
+        except FileNotFoundError:
+            return None
+        try:
+            raw = pread_exact(fd, MAX_CATALOG_BYTES + 1, 0)
+        finally:
+            os.close(fd)
+        if len(raw) > MAX_CATALOG_BYTES:
+            raise ValueError(
+                f"{self._topology_path / name} is larger than {MAX_CATALOG_BYTES} bytes: not "
+                "a SCOUT catalog"
+            )
+        return raw
 
     def read_status(self, rank: int) -> SidecarStatus | None:
         """Read ``rank``'s sidecar from this node's disk (``None`` if it has none).

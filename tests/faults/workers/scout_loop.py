@@ -1,7 +1,8 @@
 """torchrun worker: the plain loop with SCOUT (``ScoutConfig()``), a persistent SDC, a crash.
 
 ``python -m torch.distributed.run ... tests/faults/workers/scout_loop.py --out DIR
---steps N --disk-folder DIR --onset S --kill-step K [--pipeline]``
+--steps N --disk-folder DIR --onset S --kill-step K [--pipeline] [--check-every C]
+[--fault-persists]``
 
 In the job's first generation rank 2 computes the GPT's final norm (``ln_f``, a
 signature of its own) wrong from step S on; SCOUT finds it when the rotation
@@ -11,6 +12,11 @@ rank writes, per attempt, the digest of its model and optimizer state at every
 capture boundary (``DIR/boundaries-rank<R>-attempt<A>.json``) and, after
 ``enable_resiliency``, the recovery decision and the digest of the restored state
 (``DIR/start-rank<R>-attempt<A>.json``).
+
+``--check-every C`` checks every C steps (``ScoutConfig(interval=C)``; default: at
+each capture). ``--fault-persists``: the device stays faulty after the restart
+(rank 2's ``ln_f`` is wrong from the restarted process's first call, so the
+recovery's sweep replays it wrong too). ``--onset`` beyond ``--steps``: no fault.
 """
 
 from __future__ import annotations
@@ -47,6 +53,13 @@ def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> st
     return h.hexdigest()
 
 
+def _faulty_ln_f(model: TinyGPT, optimizer: torch.optim.Optimizer, rank: int, onset: int) -> None:
+    """Rank 2 computes the final norm wrong once ``onset`` optimizer steps completed."""
+    faults = ComputeFaults([PersistentSDC(rank=2, module=model.ln_f, from_step=onset)], rank=rank)
+    faults.arm()
+    faults.install(optimizer)
+
+
 def train(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -55,6 +68,8 @@ def train(argv: list[str]) -> None:
     p.add_argument("--onset", type=int, required=True)
     p.add_argument("--kill-step", type=int, required=True)
     p.add_argument("--pipeline", action="store_true", help="ScoutConfig(pipeline=True)")
+    p.add_argument("--check-every", type=int, default=None)
+    p.add_argument("--fault-persists", action="store_true")
     args = p.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = restart_count() or 0
@@ -69,13 +84,15 @@ def train(argv: list[str]) -> None:
     )  # fmt: skip
     torch.manual_seed(1 + rank)
     config = InMemoryCkptConfig(disk_folder=args.disk_folder, disk_flush_interval=0)
+    if attempt > 0 and args.fault_persists:
+        _faulty_ln_f(model, optimizer, rank, 0)  # before the recovery: its sweep runs here
     resiliency = enable_resiliency(
         ddp_model,
         optimizer,
         interval=INTERVAL,
         state={"loader": loader},
         config=config,
-        scout=ScoutConfig(pipeline=args.pipeline),
+        scout=ScoutConfig(pipeline=args.pipeline, interval=args.check_every),
     )
     decision = resiliency.last_recovery.decision
     start = {
@@ -88,10 +105,7 @@ def train(argv: list[str]) -> None:
     }
     (args.out / f"start-rank{rank}-attempt{attempt}.json").write_text(json.dumps(start))
     if attempt == 0:
-        sdc = PersistentSDC(rank=2, module=model.ln_f, from_step=args.onset)
-        faults = ComputeFaults([sdc], rank=rank)
-        faults.arm()
-        faults.install(optimizer)
+        _faulty_ln_f(model, optimizer, rank, args.onset)
     boundaries: dict[int, list] = {}
     log = args.out / f"boundaries-rank{rank}-attempt{attempt}.json"
     for step in range(resiliency.start_step + 1, args.steps + 1):  # the plain loop
