@@ -209,6 +209,7 @@ def bench_throughput(rank: int, world: int, rounds: int, steps: int, kind: str) 
             "step_s": statistics.median(times[name]),
             "step_min_s": min(times[name]),
             "cpu_s": statistics.median(cpu[name]),
+            "cpu_min_s": min(cpu[name]),
             "round_s": times[name],
             "tokens_per_s": world * tokens / statistics.median(times[name]),
             "vs_ddp_paired": statistics.median(
@@ -278,8 +279,12 @@ def _med(values: list[int]) -> float:
 
 
 def _print_throughput(throughput: dict[str, dict[int, Any]]) -> None:
-    head = ("model", "ranks", "mode", "step ms", "min ms", "vs ddp", "paired", "cpu", "coll", "own")
-    print("{:<10} {:>5} {:<21} {:>8} {:>8} {:>7} {:>7} {:>7} {:>5} {:>4}".format(*head))
+    head = ("model", "ranks", "mode", "step ms", "min ms", "vs ddp", "paired", "cpu", "cpu min")
+    print(
+        "{:<10} {:>5} {:<21} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7} {:>5} {:>4}".format(
+            *head, "coll", "own"
+        )
+    )
     for kind, worlds in throughput.items():
         for world, modes in worlds.items():
             base = modes["ddp"]
@@ -294,12 +299,13 @@ def _print_throughput(throughput: dict[str, dict[int, Any]]) -> None:
                     base["step_s"] / m["step_s"],
                     m["vs_ddp_paired"],
                     base["cpu_s"] / m["cpu_s"],
+                    base["cpu_min_s"] / m["cpu_min_s"],
                     m["collectives_per_step"],
                     m["mtgs_own_collectives_per_step"],
                 )
                 print(
-                    "{:<10} {:>5} {:<21} {:>8.2f} {:>8.2f} {:>7.3f} {:>7.3f} {:>7.3f} {:>5.1f} "
-                    "{:>4.1f}".format(*row)
+                    "{:<10} {:>5} {:<21} {:>8.2f} {:>8.2f} {:>7.3f} {:>7.3f} {:>7.3f} {:>7.3f} "
+                    "{:>5.1f} {:>4.1f}".format(*row)
                 )
             step_on = modes["mtgs_shadow_on"]["step_s"] * 1e3
             last = modes["confirmation_last_arrival_ms"]
@@ -329,6 +335,13 @@ def _throughput_summary(throughput: dict[str, dict[int, Any]]) -> dict[str, Any]
         }
         for kind, worlds in throughput.items()
     }
+    cpu_ratios = {
+        kind: {
+            w: {n: round(m["ddp"]["cpu_min_s"] / m[n]["cpu_min_s"], 4) for n in MODES if n != "ddp"}
+            for w, m in worlds.items()
+        }
+        for kind, worlds in throughput.items()
+    }
     extra = {
         kind: {
             w: {
@@ -353,6 +366,7 @@ def _throughput_summary(throughput: dict[str, dict[int, Any]]) -> dict[str, Any]
     every = [e for worlds in extra.values() for e in worlds.values()]
     return {
         "throughput_vs_ddp": ratios,
+        "cpu_time_vs_ddp_min": cpu_ratios,
         "throughput_vs_ddp_shadow_off": off,
         "throughput_vs_ddp_shadow_on": on,
         "extra_collectives_per_step": extra,
