@@ -174,6 +174,9 @@ class CaptureEngine:
     with :meth:`capture` changes (never for :meth:`capture_tensors`): the caller
     that may write the tree to disk passes the format's check (the manager passes
     ``persistence.format.check_storable``), so the engine itself knows no format.
+    ``checksums=False`` seals slots without CRC-32C (``slot.crcs`` stays ``None``):
+    for a copy that never leaves the process (the MTGS shadow, restored in place);
+    a memory-tier backing refuses such a slot.
     """
 
     def __init__(
@@ -187,6 +190,7 @@ class CaptureEngine:
         backing: ArenaBacking = ANONYMOUS,
         plan_arenas: PlanArenas | None = None,
         check_layout: CheckLayout | None = None,
+        checksums: bool = True,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots}: the capture engine needs at least 1 slot")
@@ -197,6 +201,7 @@ class CaptureEngine:
         self.slots = [Slot(f"own_{i}", backing=backing) for i in range(num_slots)]
         self._plan_arenas = plan_arenas
         self._check_layout = check_layout
+        self.checksums = checksums
         self.stats = CaptureStats()
         self._layout: Layout | None = None
         self._layout_key: tuple[Any, ...] | None = None
@@ -559,10 +564,13 @@ class CaptureEngine:
             slot.publish(cycle.step, encoded.document, self.rank)
             # wait_captured() may return now: the sources may change, the arena is ours.
             cycle.captured.set()
-            t1 = time.perf_counter()
             assert slot.arena is not None
-            slot.seal(arena_crcs(slot.arena))
-            self.stats.crc_s.append(time.perf_counter() - t1)
+            if self.checksums:
+                t1 = time.perf_counter()
+                slot.seal(arena_crcs(slot.arena))
+                self.stats.crc_s.append(time.perf_counter() - t1)
+            else:
+                slot.seal(None)
         except BaseException as exc:  # recorded and raised on the caller's next call
             if isinstance(exc, CaptureError):  # already says what failed (MemoryFolderFull)
                 add_note(exc, f"(rank {self.rank}: capture of step {cycle.step})")

@@ -225,8 +225,9 @@ class Slot:
         with self._cond:
             self.state = SlotState.CAPTURED
 
-    def seal(self, crcs: tuple[int, ...]) -> None:
-        """Record the arena's checksums and let the backing commit the capture."""
+    def seal(self, crcs: tuple[int, ...] | None) -> None:
+        """Record the arena's checksums (``None``: not checksummed) and let the backing
+        commit the capture."""
         assert self.handle is not None and self.step is not None
         self.crcs = crcs
         self.handle.commit(self)

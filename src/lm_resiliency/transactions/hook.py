@@ -16,8 +16,9 @@ the world size, all-reduce with SUM) plus two cheap things:
   ``DDP.no_sync()`` and reduce nothing) it appends a
   vector of ``world_size`` slots to the flattened bucket; this rank writes its
   abort code into its own slot and zero elsewhere, so after the SUM every rank
-  holds every rank's code. The vote costs no extra collective, only the copy
-  of that one bucket.
+  holds every rank's code. The vote costs no extra collective and no extra
+  copy: the last bucket is divided by the world size straight into a packed
+  buffer kept across steps (instead of in place), the vote slots at its end.
 
 With a *live* reducer (``MTGSState(reducer=...)``, docs/live-membership.md §4.1) the
 bucket is pre-scaled by the reducer's sample weight instead, reduced through the reducer's
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
 from lm_resiliency.transactions.reasons import VOTE_REASONS_MAX, AbortReason
-from lm_resiliency.transactions.reducer import GroupReducer, Reducer, live_vector
+from lm_resiliency.transactions.reducer import GroupReducer, Reducer, epoch_mark
 
 
 class MTGSState:
@@ -79,6 +80,7 @@ class MTGSState:
         """All-reduces launched by the hook since construction (one per bucket per step)."""
         self.votes_carried = 0
         """Votes appended to a last bucket since construction."""
+        self._pack: torch.Tensor | None = None
         self.begin()
 
     def begin(self) -> None:
@@ -145,24 +147,37 @@ class MTGSState:
         s = torch.sum(buffer, dtype=acc)
         self._grad_sum = s if self._grad_sum is None else self._grad_sum + s
 
-    def _vote_vector(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _packed(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The last bucket's ``n`` elements plus ``world_size`` vote slots, kept across steps.
+
+        One buffer per bucket shape: no allocation (and no page faults) per step. Reusing
+        it is safe: DDP copies the reduced gradients out of it before ``backward()``
+        returns and the vote slots are read right after, both before the next step's
+        last bucket writes it again.
+        """
+        size = n + self.world_size
+        buf = self._pack
+        if buf is None or buf.numel() != size or buf.dtype != dtype or buf.device != device:
+            buf = self._pack = torch.empty(size, dtype=dtype, device=device)
+        return buf
+
+    def _write_vote(self, slots: torch.Tensor, index: int | None = None) -> None:
+        """Write this rank's abort code into slot ``index`` (default: its rank), zeros elsewhere."""
         # Device-side arithmetic only: reading the loss or the sums here would stall
         # the backward pass on a GPU. The bits are distinct, so sums never carry.
-        code = torch.full((), float(self.host_code), dtype=torch.float32, device=device)
+        slots.zero_()
+        code = slots[self.rank if index is None else index]
+        if self.host_code:
+            code.fill_(float(self.host_code))
         if self._grad_sum is not None:
             bad = ~torch.isfinite(self._grad_sum)
-            code = code + bad.to(torch.float32) * float(AbortReason.NONFINITE_GRAD)
+            code.add_(bad.to(slots.dtype), alpha=float(AbortReason.NONFINITE_GRAD))
         if self._loss_bad is not None:
-            bad = self._loss_bad.to(device)
-            code = code + bad.to(torch.float32) * float(AbortReason.NONFINITE_LOSS)
+            bad = self._loss_bad.to(slots.device)
+            code.add_(bad.to(slots.dtype), alpha=float(AbortReason.NONFINITE_LOSS))
         if self._health is not None:
-            bad = ~self._health.to(device=device, dtype=torch.bool)
-            code = code + bad.to(torch.float32) * float(AbortReason.HEALTH_CHECK)
-        if self.live:
-            return live_vector(code, self.reducer, dtype, device)
-        vector = torch.zeros(self.world_size, dtype=dtype, device=device)
-        vector[self.rank] = code.to(dtype)
-        return vector
+            bad = ~self._health.to(device=slots.device, dtype=torch.bool)
+            code.add_(bad.to(slots.dtype), alpha=float(AbortReason.HEALTH_CHECK))
 
 
 def mtgs_comm_hook(state: MTGSState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -170,21 +185,25 @@ def mtgs_comm_hook(state: MTGSState, bucket: GradBucket) -> torch.futures.Future
 
     Called by DDP on every rank for every bucket, in bucket order. Never reads a
     value back to the host and never touches other buckets or the parameters.
+    The last bucket is divided straight into the packed buffer (one pass, as the
+    in-place division of the other buckets), so carrying the vote costs no copy.
     """
     if state.live:
         return _live_bucket(state, bucket)
     buffer = bucket.buffer()
     if state.carry_vote:
         state._add_local_sum(buffer)
-    buffer.div_(state.world_size)
     if not (state.carry_vote and bucket.is_last()):
+        buffer.div_(state.world_size)
         fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()  # type: ignore[union-attr]
         state.buckets_launched += 1
         state.bucket_allreduces += 1
         return cast(torch.futures.Future[torch.Tensor], fut.then(state._result))
 
     n = buffer.numel()
-    packed = torch.cat([buffer, state._vote_vector(buffer.dtype, buffer.device)])
+    packed = state._packed(n, buffer.dtype, buffer.device)
+    torch.div(buffer, state.world_size, out=packed[:n])
+    state._write_vote(packed[n:])
     fut = dist.all_reduce(packed, group=state.process_group, async_op=True).get_future()  # type: ignore[union-attr]
     state.buckets_launched += 1
     state.bucket_allreduces += 1
@@ -205,14 +224,22 @@ def _live_bucket(state: MTGSState, bucket: GradBucket) -> torch.futures.Future[t
     reducer = state.reducer
     if state.carry_vote:
         state._add_local_sum(buffer)
-    buffer.mul_(reducer.weight)
     state.buckets_launched += 1
     state.bucket_allreduces += 1
     if not (state.carry_vote and bucket.is_last()):
+        buffer.mul_(reducer.weight)
         return reducer.allreduce(buffer).then(state._live_result)
 
-    n = buffer.numel()
-    packed = torch.cat([buffer, state._vote_vector(buffer.dtype, buffer.device)])
+    n, slots = buffer.numel(), reducer.slots
+    # A fresh buffer per step, not the kept one of the default path: an abandoned epoch's
+    # all-reduce may still be running in the graveyard (live/group.py) and write into the
+    # tensor it was given while the step is redone under the next epoch.
+    packed = torch.empty(n + 2 * slots, dtype=buffer.dtype, device=buffer.device)
+    torch.mul(buffer, reducer.weight, out=packed[:n])
+    state._write_vote(packed[n : n + slots], reducer.slot)
+    marks = packed[n + slots :]
+    marks.zero_()
+    marks[reducer.slot] = epoch_mark(reducer.epoch)
     # Counted before the launch: a live reducer never raises here (a failure is set on
     # the future), so the vote has left once allreduce is called.
     state.votes_carried += 1
