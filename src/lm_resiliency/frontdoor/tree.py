@@ -69,9 +69,10 @@ class CaptureTree:
             "format": FORMAT,
             "framework": self._adapter.framework,
             "step": step,
-            # The adapter's state_dict() snapshots its values now; walking its (large,
-            # tensor-heavy) tree is left to the capture worker (see state.Deferred).
-            "adapter": Deferred(self._adapter.state_dict()),
+            # The adapter snapshots now what the next steps change before optimizer.step();
+            # walking its (large, tensor-heavy) tree, and building the parts it defers, is
+            # left to the capture worker (see state.Deferred and Adapter.capture_state).
+            "adapter": Deferred(self._adapter.capture_state()),
         }
         if mine is None:
             mine = self.per_rank()
