@@ -81,7 +81,10 @@ class CaptureTree:
             if late:
                 mine = {**mine, "state": {**mine["state"], **late}}
         if self._layout.replica_group is None:
-            tree["rank"] = mine
+            # The RNG states are fresh copies (tensors, tuples, arrays made by the read):
+            # their walk can wait for the worker too. The ``state`` objects' values may be
+            # their live internals, so they are walked here.
+            tree["rank"] = {**mine, "rng": Deferred(mine["rng"])}
         else:
             parts = all_gather_trees(mine, self._layout.replica_group)
             tree["ranks"] = {str(r): p for r, p in zip(self._replicas, parts, strict=True)}
