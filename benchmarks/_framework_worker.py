@@ -191,6 +191,9 @@ def main() -> int:
         run_id=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'x')}",
     )
     handle = enable_adapter(adapter, config=config)
+    profile = os.environ.get("LMR_BENCH_PROFILE")  # a file: cProfile of rank 0's capture hooks
+    if profile and dist.get_rank() == 0:
+        _profile_boundary(handle, Path(profile))
     gemini = _phase(step, 6 + args.steps, args.steps)
     state_bytes = sum(
         t.numel() * t.element_size()
@@ -203,12 +206,42 @@ def main() -> int:
             "baseline_steps_per_s": baseline,
             "gemini_steps_per_s": gemini,
             "blocking_s": handle.stats.per_capture_s(),
+            "launch_s": handle.stats.launch_s,
+            "wait_s": handle.stats.wait_s,
             "state_bytes_per_rank": state_bytes,
         }
         args.out.write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _profile_boundary(handle: Any, out: Path) -> None:
+    """Profile every capture's post-step hook (its launch) into ``out`` (pstats text)."""
+    import cProfile
+    import io
+    import pstats
+
+    boundary = handle._boundary
+    prof = cProfile.Profile()
+    launch = boundary.after_step
+
+    def after_step() -> None:
+        capture = (boundary.step + 1) % handle.interval == 0
+        if capture:
+            prof.enable()
+        try:
+            launch()
+        finally:
+            if capture:
+                prof.disable()
+                text = io.StringIO()
+                stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
+                stats.print_stats(30)
+                stats.print_callers(8)
+                out.write_text(text.getvalue())
+
+    boundary.after_step = after_step
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -1,6 +1,7 @@
 """GEMINI capture: blocking time and time-until-safe vs memcpy and DCP async_save.
 
-For a GPT-style state (model + AdamW, ~300 tensors) of 256 MiB and 1 GiB, in one run:
+For a GPT-style state (model + AdamW, 385 tensors) of 256 MiB and 1 GiB, its model and
+optimizer parts in ``state.Deferred`` as ``enable_resiliency`` builds them, in one run:
 
 * ``save()`` blocking (median of >= 10 captures) and time until the state is safe
   to modify (``save()`` start -> ``maybe_wait()`` return), with the slots as files
@@ -11,10 +12,19 @@ For a GPT-style state (model + AdamW, ~300 tensors) of 256 MiB and 1 GiB, in one
   form (a long-lived ``DefaultStager`` with ``use_async_staging=True``):
   blocking (return of ``async_save``) and time until safe (staging complete);
 * the slowdown of a foreground compute loop while one capture copies, unthrottled
-  and with ``copy_rate_limit_bytes_per_s`` of 1 GB/s and 0.5 GB/s.
+  and with ``copy_rate_limit_bytes_per_s`` of 1 GB/s and 0.5 GB/s;
+* growth in tensor count at fixed bytes (``--counts``, default 385, 4,000 and
+  40,000 tensors of ``--count-mib`` MiB in all): ``save()`` of the tree with its
+  model and optimizer parts in ``state.Deferred`` (as ``enable_resiliency``
+  builds it: walked by the capture worker) and of the same tree without it
+  (walked in ``save()``), time until safe, memcpy, DCP's best ``async_save``
+  return, and the front door's blocking per capture (post-step hook launch + the
+  next pre-step hook's wait) for a plain module of about as many tensors
+  (Linear layers + AdamW), with the ratios.
 
-Prints a table and one JSON line. Not part of the test suite.
+Prints tables and one JSON line. Not part of the test suite.
 Usage: python benchmarks/capture.py [--sizes-mib 256 1024] [--captures 10]
+       [--counts 385 4000 40000] [--count-mib 64] [--skip-sizes]
 """
 
 from __future__ import annotations
@@ -29,8 +39,9 @@ from typing import Any
 
 import torch
 
-from lm_resiliency import InMemoryCkptConfig
+from lm_resiliency import InMemoryCkptConfig, enable_resiliency
 from lm_resiliency.experimental import InMemoryCheckpointManager
+from lm_resiliency.state import Deferred
 
 MiB = 1024 * 1024
 
@@ -225,23 +236,130 @@ def foreground_slowdown(state: dict[str, Any], rate: int | None) -> float:
     return idle / busy
 
 
+def deferred(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its model and optimizer parts walked by the capture worker."""
+    return {**state, "model": Deferred(state["model"]), "optimizer": Deferred(state["optimizer"])}
+
+
+def bench_front_door(n_tensors: int, captures: int) -> dict[str, float]:
+    """Blocking per capture through enable_resiliency for Linear layers + AdamW (8 tensors each)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(max(1, n_tensors // 8))))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 16)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    folder = tempfile.mkdtemp(prefix="bench-capture-fd-")
+    cfg = InMemoryCkptConfig(disk_folder=folder, disk_flush_interval=0, run_id="bench-fd")
+    try:
+        with enable_resiliency(model, opt, interval=2, config=cfg) as handle:
+            for _ in range(2 * (captures + 2)):
+                step()
+                # Steps that outlast the capture cycle (as bench_ours): the next step's
+                # pre-step hook finds the copy done; what the hooks block is the boundary.
+                handle.manager.wait_persisted()
+            launch = handle.stats.launch_s[2:]  # the first encodes on the caller; 2nd allocates
+            wait = handle.stats.wait_s[2:]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    blocking = [a + b for a, b in zip(launch, wait, strict=False)]
+    return {
+        "fd_tensors": 8 * len(model),
+        "fd_blocking_ms": med(blocking) * 1e3,
+        "fd_blocking_min_ms": min(blocking) * 1e3,
+        "fd_launch_ms": med(launch) * 1e3,
+        "fd_wait_ms": med(wait) * 1e3,
+    }
+
+
+def count_rows(counts: list[int], mib: int, captures: int, skip_dcp: bool) -> list[dict[str, Any]]:
+    rows = []
+    for n in counts:
+        state = gpt_state(mib * MiB, n_layers=max(1, (n - 1) // 32))
+        ts = tensors_of(state)
+        shm = tempfile.mkdtemp(prefix="lmr-bench-capture-", dir="/dev/shm")
+        try:
+            ours = bench_ours(deferred(state), captures, f"{shm}/slots")
+            plain = bench_ours(state, max(3, captures // 3), f"{shm}/plain")
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+        mem = bench_memcpy(state, 3)
+        row: dict[str, Any] = {
+            "tensors": len(ts),
+            "size_mib": round(sum(t.numel() * t.element_size() for t in ts) / MiB),
+            "save_ms": ours["save_ms"],
+            "save_max_ms": ours["save_max_ms"],
+            "save_not_deferred_ms": plain["save_ms"],
+            "safe_ms": ours["safe_ms"],
+            **mem,
+            "safe_over_memcpy": ours["safe_ms"] / mem["memcpy_ms"],
+            "memcpy_over_save": mem["memcpy_ms"] / ours["save_ms"],
+            **bench_front_door(n, captures),
+        }
+        if not skip_dcp:
+            best = bench_dcp(state, 2, best=True)
+            if best:
+                row["dcp_best_return_ms"] = best["return_ms"]
+                row["dcp_best_return_over_save"] = best["return_ms"] / ours["save_ms"]
+                row["dcp_best_return_over_fd"] = best["return_ms"] / row["fd_blocking_ms"]
+        rows.append(row)
+        del state, ts
+    return rows
+
+
+def print_counts(rows: list[dict[str, Any]]) -> None:
+    nan = float("nan")
+    print(
+        f"{'tensors':>8} {'MiB':>5} {'save ms':>8} {'(no Deferred)':>13} {'safe ms':>8} "
+        f"{'memcpy ms':>9} {'DCP best ret':>12} {'DCP/save':>9} {'front door ms':>13} "
+        f"{'(launch+wait)':>15} {'DCP/fd':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['tensors']:>8} {r['size_mib']:>5} {r['save_ms']:>8.3f} "
+            f"{r['save_not_deferred_ms']:>13.2f} {r['safe_ms']:>8.1f} {r['memcpy_ms']:>9.1f} "
+            f"{r.get('dcp_best_return_ms', nan):>12.2f} "
+            f"{r.get('dcp_best_return_over_save', nan):>8.1f}x {r['fd_blocking_ms']:>13.3f} "
+            f"{r['fd_launch_ms']:>7.3f}+{r['fd_wait_ms']:<7.3f} "
+            f"{r.get('dcp_best_return_over_fd', nan):>6.1f}x"
+        )
+    if len(rows) >= 2:
+        a, b = rows[0], rows[-1]
+        print(
+            f"growth {a['tensors']} -> {b['tensors']} tensors "
+            f"({b['tensors'] / a['tensors']:.0f}x): "
+            f"save() {b['save_ms'] / a['save_ms']:.2f}x, front door "
+            f"{b['fd_blocking_ms'] / a['fd_blocking_ms']:.2f}x, not deferred "
+            f"{b['save_not_deferred_ms'] / a['save_not_deferred_ms']:.2f}x"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--captures", type=int, default=10)
     ap.add_argument("--skip-dcp", action="store_true")
+    ap.add_argument("--counts", type=int, nargs="*", default=[385, 4000, 40000])
+    ap.add_argument("--count-mib", type=int, default=64)
+    ap.add_argument("--skip-sizes", action="store_true", help="only the tensor-count rows")
     args = ap.parse_args()
     torch.manual_seed(0)
+    counts = count_rows(args.counts, args.count_mib, args.captures, args.skip_dcp)
     rows = []
-    for size in args.sizes_mib:
+    for size in [] if args.skip_sizes else args.sizes_mib:
         state = gpt_state(size * MiB)
         nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
         shm = tempfile.mkdtemp(prefix="lmr-bench-capture-", dir="/dev/shm")
         try:
-            ours = bench_ours(state, args.captures, f"{shm}/slots")
+            ours = bench_ours(deferred(state), args.captures, f"{shm}/slots")
         finally:
             shutil.rmtree(shm, ignore_errors=True)
-        anon = bench_ours(state, args.captures, None)
+        anon = bench_ours(deferred(state), args.captures, None)
         mem = bench_memcpy(state, 5)
         row: dict[str, Any] = {
             "size_mib": round(nbytes / MiB),
@@ -297,7 +415,8 @@ def main() -> None:
             f"save() growth {rows[-1]['size_mib']} MiB vs {rows[0]['size_mib']} MiB: "
             f"{rows[-1]['save_ms'] / rows[0]['save_ms']:.2f}x"
         )
-    print(json.dumps({"benchmark": "capture", "rows": rows}))
+    print_counts(counts)
+    print(json.dumps({"benchmark": "capture", "rows": rows, "counts": counts}))
 
 
 if __name__ == "__main__":

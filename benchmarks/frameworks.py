@@ -79,17 +79,22 @@ def main() -> int:
         cycles = res["blocking_s"]  # complete cycles: launch + the wait before the next step
         res["blocking_median_ms"] = 1e3 * statistics.median(cycles)
         res["blocking_max_ms"] = 1e3 * max(cycles)
+        res["blocking_min_ms"] = 1e3 * min(cycles)
+        res["launch_median_ms"] = 1e3 * statistics.median(res["launch_s"])
+        res["wait_median_ms"] = 1e3 * statistics.median(res["wait_s"])
         res["steps_per_s_ratio"] = res["gemini_steps_per_s"] / res["baseline_steps_per_s"]
         rows.append(res)
     print(
         f"{'framework':<10} {'state/rank':>11} {'captures':>8} {'block med':>10} "
-        f"{'block max':>10} {'base st/s':>10} {'gemini st/s':>12} {'ratio':>6}"
+        f"{'block max':>10} {'launch med':>11} {'wait med':>9} {'base st/s':>10} "
+        f"{'gemini st/s':>12} {'ratio':>6}"
     )
     for r in rows:
         print(
             f"{r['framework']:<10} {r['state_bytes_per_rank'] / 2**20:>8.1f} MiB "
             f"{len(r['blocking_s']):>8} {r['blocking_median_ms']:>7.2f} ms "
-            f"{r['blocking_max_ms']:>7.2f} ms {r['baseline_steps_per_s']:>10.2f} "
+            f"{r['blocking_max_ms']:>7.2f} ms {r['launch_median_ms']:>8.2f} ms "
+            f"{r['wait_median_ms']:>6.2f} ms {r['baseline_steps_per_s']:>10.2f} "
             f"{r['gemini_steps_per_s']:>12.2f} {r['steps_per_s_ratio']:>6.3f}"
         )
     print(json.dumps({"benchmark": "frameworks", "results": rows}))

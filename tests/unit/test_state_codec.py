@@ -552,3 +552,23 @@ def test_deferred_subtree_error_names_its_key_path_when_finished() -> None:
     partial = begin_encoding({"adapter": Deferred({"hooks": {"fn": print}}), "ok": 1})
     with pytest.raises(StateEncodingError, match="adapter/hooks/fn"):
         partial.finish()
+
+
+def test_a_deferred_function_is_called_where_the_walk_happens() -> None:
+    calls: list[str] = []
+    model = nn.Linear(4, 3)
+
+    def build() -> dict[str, Any]:
+        calls.append("built")
+        return {"model": model.state_dict(), "n": len(calls)}
+
+    partial = begin_encoding({"adapter": Deferred(build), "step": 1})
+    assert calls == []  # not at the boundary
+    with torch.no_grad():
+        model.weight.add_(1)  # what the function reads is read when the walk happens
+    out = decode_state(*_parts(partial.finish()))
+    assert calls == ["built"]
+    assert torch.equal(out["adapter"]["model"]["weight"], model.weight.detach())
+    assert out["adapter"]["n"] == 1
+    encode_state({"adapter": Deferred(build)})  # encode_state calls it at once
+    assert calls == ["built", "built"]

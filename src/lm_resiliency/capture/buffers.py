@@ -15,6 +15,7 @@ next forward's kernels without waiting for them.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from lm_resiliency.errors import ConfigError
 
 __all__ = [
+    "BoundaryBuffers",
     "SavedBuffers",
     "load_persistent_buffers",
     "match_persistent_buffers",
@@ -77,6 +79,84 @@ def _persistent(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             if buf is not None and name not in skip:
                 live[f"{prefix}.{name}" if prefix else name] = buf
     return live
+
+
+_structure = [0]
+"""Bumped whenever any module anywhere registers or rebinds a buffer or a submodule."""
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+
+
+def _bump(*_args: Any) -> None:
+    _structure[0] += 1
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    with _hooks_lock:
+        if not _hooks_installed:
+            # Process-wide and cheap (an increment): ``register_buffer``, a buffer or module
+            # assignment (``self.x = ...``) and ``add_module`` all call these hooks.
+            torch.nn.modules.module.register_module_buffer_registration_hook(_bump)
+            torch.nn.modules.module.register_module_module_registration_hook(_bump)
+            _hooks_installed = True
+
+
+class BoundaryBuffers:
+    """Copies of ``module``'s persistent buffers by ``state_dict()`` name, taken at the boundary.
+
+    The list of (name, owning module, buffer name) is built once and rebuilt only
+    after a buffer or submodule was registered or rebound anywhere in the process
+    (module registration hooks bump a counter), so a boundary costs one copy per
+    buffer and nothing per parameter or module. ``every_path``: one entry per
+    path of a submodule reachable twice, as ``state_dict()`` has; otherwise each
+    module once, as :func:`persistent_buffers` (and the restore's matcher) name them.
+    ``named_buffers``: every buffer, persistent or not, each object once, by the
+    names ``module.named_buffers()`` gives (FSDP2's per-rank buffers).
+    """
+
+    def __init__(
+        self, module: torch.nn.Module, *, every_path: bool = False, named_buffers: bool = False
+    ) -> None:
+        _install_hooks()
+        self._module = module
+        self._every_path = every_path and not named_buffers
+        self._named_buffers = named_buffers
+        self._seen = -1
+        self._entries: list[tuple[str, torch.nn.Module, str]] = []
+        self.rebuilds = 0
+
+    def _entries_now(self) -> list[tuple[str, torch.nn.Module, str]]:
+        seen = _structure[0]
+        if seen != self._seen:
+            mods = torch.nn.Module.named_modules(
+                self._module, remove_duplicate=not self._every_path
+            )
+            entries = []
+            memo: set[int] = set()
+            for prefix, owner in mods:
+                for name, buf in owner._buffers.items():
+                    if self._named_buffers:
+                        if buf is None or id(buf) in memo:
+                            continue
+                        memo.add(id(buf))
+                    elif name in owner._non_persistent_buffers_set:
+                        continue
+                    entries.append((f"{prefix}.{name}" if prefix else name, owner, name))
+            self._entries = entries
+            self._seen = seen
+            self.rebuilds += 1
+        return self._entries
+
+    def copies(self) -> dict[str, torch.Tensor]:
+        """Name -> a copy, taken now, of each persistent buffer (``None`` buffers left out)."""
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for key, owner, name in self._entries_now():
+                buf = owner._buffers.get(name)
+                if buf is not None:
+                    out[key] = buf.detach().clone()
+        return out
 
 
 def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:

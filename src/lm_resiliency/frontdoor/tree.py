@@ -76,9 +76,10 @@ class CaptureTree:
             "format": FORMAT,
             "framework": self._adapter.framework,
             "step": step,
-            # The adapter's state_dict() snapshots its values now; walking its (large,
-            # tensor-heavy) tree is left to the capture worker (see state.Deferred).
-            "adapter": Deferred(self._adapter.state_dict()),
+            # The adapter snapshots now what the next steps change before optimizer.step();
+            # walking its (large, tensor-heavy) tree, and building the parts it defers, is
+            # left to the capture worker (see state.Deferred and Adapter.capture_state).
+            "adapter": Deferred(self._adapter.capture_state()),
         }
         if mine is None:
             mine = self.per_rank()
@@ -90,7 +91,10 @@ class CaptureTree:
         if replay:
             mine = {**mine, "replay": replay}
         if self._layout.replica_group is None:
-            tree["rank"] = mine
+            # The RNG states are fresh copies (tensors, tuples, arrays made by the read):
+            # their walk can wait for the worker too. The ``state`` objects' values may be
+            # their live internals, so they are walked here.
+            tree["rank"] = {**mine, "rng": Deferred(mine["rng"])}
         else:
             parts = all_gather_trees(mine, self._layout.replica_group)
             tree["ranks"] = {str(r): p for r, p in zip(self._replicas, parts, strict=True)}

@@ -167,6 +167,17 @@ class Adapter(Protocol):
         """
         ...
 
+    def capture_state(self) -> dict[str, Any]:
+        """What a capture at the step boundary holds: :meth:`state_dict`'s tree.
+
+        Called on the training thread. Subtrees may be :class:`~lm_resiliency.state.Deferred`
+        functions the capture worker calls before its copy (before the next
+        ``optimizer.step()``): they may read only what does not change until then
+        (parameters, optimizer state); what the next forward or an LR scheduler changes
+        is taken here. :class:`AdapterBase` returns ``state_dict()``.
+        """
+        ...
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore in place onto the live objects; re-derive derived state.
 
@@ -284,6 +295,9 @@ class AdapterBase:
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def capture_state(self) -> dict[str, Any]:
+        return self.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError

@@ -94,6 +94,11 @@ class DDPAdapter(ModuleAdapter):
         state["ddp"] = {"ready_order": self.ready_order()}
         return state
 
+    def capture_state(self) -> dict[str, Any]:
+        state = super().capture_state()
+        state["ddp"] = {"ready_order": self.ready_order()}
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         order = list(state.get("ddp", {}).get("ready_order", []))

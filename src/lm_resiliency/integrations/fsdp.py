@@ -20,15 +20,17 @@ own batches) are per-rank state under both layouts.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from lm_resiliency.capture.buffers import snapshot_buffers
+from lm_resiliency.capture.buffers import BoundaryBuffers
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.integrations.base import AdapterBase, ParallelLayout
+from lm_resiliency.state import Deferred
 
 __all__ = ["FSDPAdapter", "make_adapter"]
 
@@ -54,6 +56,7 @@ class FSDPAdapter(AdapterBase):
         self._replicate_dim = _replicate_dim(self._dtensors().values(), self.mesh)
         self.framework = "hsdp" if self._replicate_dim is not None else "fsdp2"
         self._fqn = {id(p): n for n, p in self._params.items()}
+        self._buffers = BoundaryBuffers(model, named_buffers=True)
 
     def _dtensors(self) -> dict[str, DTensor]:
         out: dict[str, DTensor] = {}
@@ -70,16 +73,31 @@ class FSDPAdapter(AdapterBase):
     # -- capture -----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        with torch.no_grad():  # DTensor.to_local() without autograd's bookkeeping
+            return {
+                "layout": self._layout(),
+                "params": self._local_params(),
+                "optimizers": [self._optimizer_state(o, _hyper(o)) for o in self._optimizers],
+            }
+
+    def capture_state(self) -> dict[str, Any]:
+        """:meth:`state_dict`, its per-parameter parts built by the capture worker (they read
+        only shards and optimizer state, which change in ``optimizer.step()``); the param
+        groups' hyperparameters are taken now (an LR scheduler steps right after)."""
         return {
-            "layout": self._layout(),
-            "params": {n: _local(p) for n, p in self._params.items()},
-            "optimizers": [self._optimizer_state(o) for o in self._optimizers],
+            "layout": Deferred(self._layout),
+            "params": Deferred(self._local_params),
+            "optimizers": [
+                Deferred(partial(self._optimizer_state, o, _hyper(o))) for o in self._optimizers
+            ],
         }
 
     def rank_state_dict(self) -> dict[str, Any]:
-        buffers: dict[str, Any] = dict(self.model.named_buffers())
-        snapshot_buffers(self.model, buffers)  # copies: the next forward changes them in place
-        return {"buffers": buffers}
+        # Copies: the next forward changes them in place.
+        return {"buffers": self._buffers.copies()}
+
+    def _local_params(self) -> dict[str, Any]:
+        return {n: _local(p) for n, p in self._params.items()}
 
     def _layout(self) -> dict[str, Any]:
         return {
@@ -89,11 +107,18 @@ class FSDPAdapter(AdapterBase):
             "params": {n: _describe(p) for n, p in self._params.items()},
         }
 
-    def _optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    def _optimizer_state(
+        self, opt: torch.optim.Optimizer, hyper: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        if len(hyper) != len(opt.param_groups):
+            raise ConfigError(
+                f"the optimizer's param groups changed between the capture boundary and its "
+                f"copy ({len(hyper)} -> {len(opt.param_groups)} groups); call add_param_group() "
+                "before a step's optimizer.step(), not between it and the next one"
+            )
         groups = []
-        for group in opt.param_groups:
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**hyper, "params": [self._fqn[id(p)] for p in group["params"]]})
+        for values, group in zip(hyper, opt.param_groups, strict=True):
+            groups.append({**values, "params": [self._fqn[id(p)] for p in group["params"]]})
         state: dict[str, Any] = {}
         for p, entries in opt.state.items():
             state[self._fqn[id(p)]] = {
@@ -180,6 +205,11 @@ class FSDPAdapter(AdapterBase):
 
     def modules(self) -> Sequence[torch.nn.Module]:
         return [self.model]
+
+
+def _hyper(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's values but ``params``, as they are now."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
 def _plain(value: Any) -> Any:

@@ -70,12 +70,23 @@ class Deferred:
     of immutable values, as ``state_dict()`` methods build) and whose tensors
     keep their shape until the capture's copy is done: walking them later, on
     another thread, reads the same thing. :func:`encode_state` walks it at once.
+
+    ``value`` may also be a function of no arguments that returns the dict: it is
+    called where the walk happens (later, on the capture worker, for
+    :func:`begin_encoding`), so building the subtree leaves the caller's thread
+    too. It must then read only what does not change until the capture's copy
+    is done (parameters and optimizer state, which change in ``optimizer.step()``).
     """
 
     __slots__ = ("value",)
 
-    def __init__(self, value: Mapping[Any, Any]) -> None:
+    def __init__(self, value: Mapping[Any, Any] | Callable[[], Mapping[Any, Any]]) -> None:
         self.value = value
+
+    def resolve(self) -> Mapping[Any, Any]:
+        """The subtree (calls ``value`` when it is a function)."""
+        value = self.value
+        return value() if callable(value) else value
 
 
 class PartialEncoding:
@@ -93,8 +104,8 @@ class PartialEncoding:
         enc = self._enc
         holes, enc.holes = enc.holes, []
         enc.defer = False
-        for node, value, pre, depth in holes:
-            filled = enc.value(value, pre, depth)
+        for node, hole, pre, depth in holes:
+            filled = enc.value(hole.resolve(), pre, depth)
             if not isinstance(filled, dict):
                 raise TypeError(f"Deferred at {_where(pre)!r} must wrap a dict")
             node.update(filled)
@@ -180,7 +191,7 @@ class _Encoder:
         # (distinct detach() views of one parameter) share one entry; id() otherwise.
         self.by_key: dict[Any, int] = {}
         self.defer = False
-        self.holes: list[tuple[dict[str, Any], Any, str, int]] = []
+        self.holes: list[tuple[dict[str, Any], Deferred, str, int]] = []
 
     # -- errors and limits -------------------------------------------------
     def fail(self, pre: str, problem: str) -> NoReturn:
@@ -447,9 +458,9 @@ class _Encoder:
 
     def deferred(self, x: Deferred, pre: str, depth: int) -> Any:
         if not self.defer:
-            return self.value(x.value, pre, depth)
+            return self.value(x.resolve(), pre, depth)
         node: dict[str, Any] = {}
-        self.holes.append((node, x.value, pre, depth))
+        self.holes.append((node, x, pre, depth))
         return node
 
     def bytes_(self, x: bytes, pre: str, depth: int) -> Any:

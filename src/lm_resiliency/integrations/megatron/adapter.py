@@ -22,14 +22,15 @@ next forward of a model chunk (the user's ``scheduler.step()`` runs after
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lm_resiliency.capture.buffers import (
+    BoundaryBuffers,
     match_persistent_buffers,
-    persistent_buffers,
     write_buffers,
 )
 from lm_resiliency.errors import ConfigError
@@ -47,6 +48,7 @@ from lm_resiliency.integrations.megatron.optimizer import (
     model_chunks,
     sharded_optimizers,
 )
+from lm_resiliency.state import Deferred
 
 __all__ = ["MegatronAdapter"]
 
@@ -66,6 +68,7 @@ class MegatronAdapter(AdapterBase):
         self.optimizer = optimizer
         self.parts: list[ShardedOptimizer] = sharded_optimizers(optimizer)
         self.scheduler = scheduler
+        self._buffers = [BoundaryBuffers(chunk) for chunk in self.chunks]
         super().__init__([p.inner for p in self.parts])
 
     def bind(self, boundary: StepBoundary) -> Unbind:
@@ -84,22 +87,30 @@ class MegatronAdapter(AdapterBase):
         }
 
     def state_dict(self) -> dict[str, Any]:
+        state = self.capture_state()
+        state["identity"] = state["identity"].resolve()
+        state["optimizers"] = [dict(part.resolve()) for part in state["optimizers"]]
+        return state
+
+    def capture_state(self) -> dict[str, Any]:
+        """The capture tree; what is per master tensor is built by the capture worker.
+
+        The masters and their optimizer state change only in the step, whose hook
+        waits for the capture; the group hyperparameters (the scheduler writes them),
+        the scheduler, the RNG tracker and the buffers (the next forward changes
+        them) are taken now.
+        """
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         return {
-            "identity": self._identity(),
+            "identity": Deferred(self._identity),
             "optimizers": [
-                {
-                    "masters": list(p.masters),
-                    "state": capture_state(p.inner, p.masters),
-                    "param_groups": capture_hparams(p.inner),
-                }
-                for p in self.parts
+                Deferred(partial(_part_state, p, capture_hparams(p.inner))) for p in self.parts
             ],
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "rng_tracker": dict(get_cuda_rng_tracker().get_states()),
             # Copied now: buffers change inside the next forward (BatchNorm statistics).
-            "buffers": [persistent_buffers(chunk) for chunk in self.chunks],
+            "buffers": [b.copies() for b in self._buffers],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -167,6 +178,15 @@ class MegatronAdapter(AdapterBase):
 
     def modules(self) -> Sequence[torch.nn.Module]:
         return list(self.chunks)
+
+
+def _part_state(part: ShardedOptimizer, hparams: list[dict[str, Any]]) -> dict[str, Any]:
+    """One distributed optimizer's masters and their state (by reference), its hyperparameters."""
+    return {
+        "masters": list(part.masters),
+        "state": capture_state(part.inner, part.masters),
+        "param_groups": hparams,
+    }
 
 
 def make_adapter(

@@ -130,9 +130,16 @@ class TorchTitanAdapter(AdapterBase):
     # -- capture -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        return self._state(self.fsdp.state_dict())
+
+    def capture_state(self) -> dict[str, Any]:
+        # The FSDP2 part's per-parameter work runs on the capture worker (FSDPAdapter).
+        return self._state(self.fsdp.capture_state())
+
+    def _state(self, fsdp: dict[str, Any]) -> dict[str, Any]:
         epoch = self._epoch_after if self._epoch_after is not None else self._epoch()
         return {
-            "fsdp": self.fsdp.state_dict(),
+            "fsdp": fsdp,
             "lr_schedulers": {"last_epoch": epoch},
             "train_state": {"step": int(self.trainer.step)},
         }
