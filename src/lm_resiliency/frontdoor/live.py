@@ -46,7 +46,14 @@ from lm_resiliency.faults.schedule import FaultKind
 from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.live.membership import Change, Membership
 from lm_resiliency.live.reducer import LiveReducer
-from lm_resiliency.live.sampler import GlobalBatchSampler, Share, reseed_step, share_size, weight
+from lm_resiliency.live.sampler import (
+    GlobalBatchSampler,
+    SampledBatch,
+    Share,
+    reseed_step,
+    share_size,
+    weight,
+)
 from lm_resiliency.live.view import CoordinatorLost
 from lm_resiliency.persistence.identity import RUN_ID_ENV
 from lm_resiliency.telemetry import EventLog
@@ -260,7 +267,7 @@ class LiveSession:
                 "call handle.batch_indices(step) for a loader of your own)"
             )
         sampler = GlobalBatchSampler(
-            dataset_len, global_batch, seed, self, steps=steps, events=self.events
+            dataset_len, global_batch, seed, self, steps=steps, on_batch=self._on_batch
         )
         share_size(global_batch, 0, self.membership.replicas)  # validates B >= 1 early
         if global_batch < self.membership.replicas:
@@ -284,6 +291,16 @@ class LiveSession:
             )
         m = self.membership
         return self.sampler_obj.indices_for(step, m.index, len(m.members))
+
+    def _on_batch(self, batch: SampledBatch) -> None:
+        self._log(
+            "live.sample",
+            step=batch.step,
+            epoch=batch.epoch,
+            index=batch.index,
+            count=batch.count,
+            indices=list(batch.indices),
+        )
 
     def _weight_of(self, members: tuple[int, ...], replica: int) -> float:
         if self.global_batch is None:
