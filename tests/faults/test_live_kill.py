@@ -57,7 +57,9 @@ def _launch(run_dir: Path, *, kill: str = "", replicas: str = "", faults: str = 
     survivors = [r for r in range(4) if r not in gone]
     deadline = time.monotonic() + 600
     try:
-        while not all(_committed(run_dir, r, _STEPS) for r in survivors):
+        while not all(_committed(run_dir, r, _STEPS) for r in survivors) or not all(
+            _joining(run_dir, r) for r in gone if replicas
+        ):
             assert proc.poll() is None or gone == set(), (
                 f"launcher exited {proc.returncode} before the survivors finished: "
                 + (run_dir / "launcher.log").read_text()[-3000:]
@@ -87,6 +89,12 @@ def _committed(run_dir: Path, replica: int, step: int) -> bool:
         return False
     records = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
     return any(r["event"] == "mtgs.commit" and r["step"] == step for r in records)
+
+
+def _joining(run_dir: Path, replica: int) -> bool:
+    """Whether the replica's torchrun restarted it and it registered as a joiner."""
+    path = run_dir / f"events-replica-{replica}-rank-0.jsonl"
+    return path.exists() and '"event": "live.joining"' in path.read_text()
 
 
 def _alive(pid: int) -> bool:

@@ -177,6 +177,8 @@ class ResiliencyHandle:
         if self._closed:
             return
         self._closed = True
+        if self.live is not None:
+            self.live.finish()  # no member leaves while another confirms the last step
         if self._unbind is not None:
             self._unbind()
             self._unbind = None

@@ -176,6 +176,7 @@ class LiveSession:
         self.events = _events(config, membership)
         self._digest_of: Callable[[], int] | None = None
         self._redo_start: float | None = None
+        self._leaving = False
 
     @classmethod
     def start(cls, config: LiveConfig) -> LiveSession:
@@ -333,6 +334,7 @@ class LiveSession:
         if step not in self.leaves:
             return
         self._log("live.leave", step=step)
+        self._leaving = True
         self.membership.report_failure("leave")
         close()
         sys.stdout.flush()
@@ -399,6 +401,28 @@ class LiveSession:
                     f"{self.config.join_timeout_s:g}"
                 )
             time.sleep(self.config.poll_slice_s)
+
+    def finish(self) -> None:
+        """At the end of training: wait (bounded) until every member has finished too.
+
+        A member that exits while another still waits for the last step's confirmation would
+        be a lost replica to it: that one would redo the step alone, and the step would be
+        committed twice under two memberships (seen by ``check_run``). So every member
+        publishes ``done/<E>/<r>/<g>`` and waits, at most ``reform_timeout_s``, for the
+        other members' before it leaves.
+        """
+        if self._leaving or self.membership.joining:
+            return
+        m = self.membership
+        key = f"{m.keys.root}done/{m.epoch}/"
+        try:
+            self._ask(lambda s: s.set(f"{key}{self.replica}/{m.group_rank}", str(self.step - 1)))
+            wanted = [f"{key}{r}/{m.group_rank}" for r in m.members]
+            deadline = time.monotonic() + self.config.reform_timeout_s
+            while not self._ask(lambda s: s.check(wanted)) and time.monotonic() < deadline:
+                time.sleep(self.config.poll_slice_s)
+        except CoordinatorLost:
+            log.warning("live membership: coordinator lost while finishing; leaving anyway")
 
     def close(self) -> None:
         self.membership.close()
