@@ -2,8 +2,8 @@
 
 Stable API: the entry point :func:`enable_resiliency` and the
 :class:`ResiliencyHandle` it returns, the configurations
-(:class:`InMemoryCkptConfig`, :class:`MTGSConfig`, :class:`ScoutConfig`, and
-:class:`ResiliencyConfig` holding all three), the chunk-size estimator
+(:class:`InMemoryCkptConfig`, :class:`MTGSConfig`, :class:`ScoutConfig`,
+:class:`LiveConfig`, and :class:`ResiliencyConfig` holding them all), the chunk-size estimator
 (:func:`estimate_chunk_size`), recovery modes and the error hierarchy.
 Low-level pieces live in :mod:`lm_resiliency.experimental`.
 """
@@ -26,6 +26,7 @@ from lm_resiliency.errors import (
     StepAborted,
 )
 from lm_resiliency.frontdoor import ResiliencyConfig, ResiliencyHandle, enable_resiliency
+from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.recovery.mode import RecoveryMode
 from lm_resiliency.replication.chunking import estimate_chunk_size
 from lm_resiliency.transactions.mtgs_config import MTGSConfig
@@ -39,6 +40,7 @@ __all__ = [
     "IdentityMismatch",
     "InMemoryCkptConfig",
     "IntegrityError",
+    "LiveConfig",
     "MTGSConfig",
     "NoConsistentStep",
     "RankFailures",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,6 +17,12 @@ from lm_resiliency.errors import ConfigError
 from lm_resiliency.faults import FaultInjector
 from lm_resiliency.frontdoor.boundary import CaptureBoundary, WaitOnly
 from lm_resiliency.frontdoor.handle import ResiliencyHandle
+from lm_resiliency.frontdoor.live import (
+    LiveSession,
+    adapter_state_tensors,
+    check_live,
+    live_gemini_config,
+)
 from lm_resiliency.frontdoor.objects import StateObjects
 from lm_resiliency.frontdoor.resiliency_config import ResiliencyConfig
 from lm_resiliency.frontdoor.resume import resume, resume_from_framework
@@ -25,6 +32,7 @@ from lm_resiliency.frontdoor.tree import CaptureTree
 from lm_resiliency.frontdoor.validate import check_mtgs, check_scout, gemini_config, split_config
 from lm_resiliency.integrations.base import Adapter, Unbind
 from lm_resiliency.integrations.registry import adapter_for
+from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.rng import restore_rng as restore_now
 from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
@@ -46,6 +54,7 @@ def enable_resiliency(
     scout: ScoutConfig | None = None,
     failure_kind: str | None = None,
     faults: FaultInjector | None = None,
+    live: LiveConfig | None = None,
 ) -> ResiliencyHandle:
     """Recover the newest common state, then capture every ``interval`` steps automatically.
 
@@ -85,13 +94,20 @@ def enable_resiliency(
     transaction's steps, for drills and tests: the injector's hooks are installed on the
     model and optimizer unless already installed (and removed by ``handle.close()``), and
     MTGS tells it each step and attempt.
+    ``live=LiveConfig(...)`` (needs ``mtgs=``; run under ``lm-resiliency launch``): each
+    replica group survives the loss of another without restarting; the step in flight is
+    redone exactly once under the new membership (docs/live-membership.md). Feed data through
+    ``DataLoader(ds, batch_sampler=handle.sampler(B, len(ds), seed))`` with ``num_workers=0``
+    and draw the batch inside the closure, so a redone step re-splits the same global batch;
+    ``handle.membership`` says the epoch, the members and the last change. Faults are then
+    numbered by replica id.
 
     Raises ``ConfigError`` for invalid or incompatible arguments (before any
     collective), ``StateEncodingError`` naming the key path of a ``state``
     value that cannot be captured, ``NoConsistentStep`` or the fallback's own
     errors from recovery.
     """
-    gemini, mtgs, scout = split_config(config, mtgs, scout)
+    gemini, mtgs, scout, live = split_config(config, mtgs, scout, live)
     cfg = gemini_config(gemini, interval)
     adapter = adapter_for(model, optimizer)
     return enable_adapter(
@@ -104,6 +120,7 @@ def enable_resiliency(
         scout=scout,
         failure_kind=failure_kind,
         faults=faults,
+        live=live,
     )
 
 
@@ -120,6 +137,7 @@ def enable_adapter(
     failure_kind: str | None = None,
     resumed_step: int | None = None,
     faults: FaultInjector | None = None,
+    live: LiveConfig | None = None,
 ) -> ResiliencyHandle:
     """:func:`enable_resiliency` for an adapter built by the caller (framework integrations).
 
@@ -132,7 +150,9 @@ def enable_adapter(
     from it. Collective, like :func:`enable_resiliency`.
     """
     mtgs_config = check_mtgs(mtgs, adapter)
-    injector = check_faults(faults, mtgs_config)
+    live_config = check_live(live, mtgs_config, scout)
+    replica = _env_replica() if live_config is not None else None
+    injector = check_faults(faults, mtgs_config, replica=replica)
     scout_config = check_scout(scout, adapter)
     if save_durable is not None and not callable(save_durable):
         raise ConfigError(
@@ -157,10 +177,22 @@ def enable_adapter(
     )
     tree.validate()
     fallback = load_fallback if load_fallback is not None else adapter.durable_fallback()
-    manager = _manager(config, layout.group, layout.replica_ranks, fallback)
+    session: LiveSession | None = None
+    if live_config is not None:
+        assert replica is not None
+        config = live_gemini_config(config, replica)
+        session = LiveSession.start(live_config)  # registers; waits (bounded) for epoch 0
+    try:
+        manager = _manager(config, layout.group, layout.replica_ranks, fallback)
+    except BaseException:
+        if session is not None:
+            session.close()
+        raise
     checker: Scout | None = None
     installed = False
     try:
+        if session is not None and session.membership.joining:
+            session.await_admission()  # a restarted replica: healed by a member, not from memory
         if scout_config is not None:
             candidate = save_durable if save_durable is not None else adapter.durable_candidate()
             checker = _scout(scout_config, adapter, layout, manager, candidate)
@@ -170,6 +202,8 @@ def enable_adapter(
             )
         else:
             recovery = resume_from_framework(manager, resumed_step)
+        if session is not None:
+            session.agree_start(recovery.step or 0)
         boundary = CaptureBoundary(
             manager,
             interval=config.interval,
@@ -188,8 +222,22 @@ def enable_adapter(
             if injector is not None:
                 installed = attach_faults(injector, adapter)
             txn = build_mtgs(
-                adapter, objects, mtgs_config, committed_steps=boundary.step, faults=injector
+                adapter,
+                objects,
+                mtgs_config,
+                committed_steps=boundary.step,
+                faults=injector,
+                reducer=session.build_reducer() if session is not None else None,
+                max_membership_changes=(
+                    session.config.changes_per_step(session.membership.replicas)
+                    if session is not None
+                    else None
+                ),
+                later=session.data_state if session is not None else None,
             )
+            if session is not None:
+                session.bind(txn, adapter_state_tensors(adapter))
+                session.script(injector)
         unbind = adapter.bind(WaitOnly(boundary) if txn is not None else boundary)
         if installed:
             assert injector is not None
@@ -203,6 +251,8 @@ def enable_adapter(
         if checker is not None:
             checker.close()
         manager.close(finished=False)
+        if session is not None:
+            session.close()
         raise
     return ResiliencyHandle(
         manager=manager,
@@ -212,7 +262,18 @@ def enable_adapter(
         recovery=recovery,
         mtgs=txn,
         scout=checker,
+        live=session,
     )
+
+
+def _env_replica() -> int:
+    raw = os.environ.get("LMR_REPLICA_GROUP", "")
+    if not raw.strip().isdigit():
+        raise ConfigError(
+            f"LMR_REPLICA_GROUP={raw!r} must be this process's replica group id (0..R-1); "
+            "lm-resiliency launch sets it (docs/live-membership.md §1)"
+        )
+    return int(raw)
 
 
 def _also_removing(unbind: Unbind, injector: FaultInjector) -> Unbind:

@@ -24,6 +24,8 @@ from lm_resiliency.integrations.base import Adapter, Unbind
 
 if TYPE_CHECKING:
     from lm_resiliency.detection import Scout, ScoutResult
+    from lm_resiliency.frontdoor.live import LiveSession, LiveStatus
+    from lm_resiliency.live.sampler import GlobalBatchSampler
     from lm_resiliency.transactions import MTGS, StepResult
 
 __all__ = ["ResiliencyHandle"]
@@ -51,8 +53,10 @@ class ResiliencyHandle:
         recovery: RecoveryInfo,
         mtgs: MTGS | None,
         scout: Scout | None = None,
+        live: LiveSession | None = None,
     ) -> None:
         self.manager = manager
+        self.live = live
         self.adapter = adapter
         self.mtgs = mtgs
         self.scout = scout
@@ -71,6 +75,40 @@ class ResiliencyHandle:
     def last_scout(self) -> ScoutResult | None:
         """The latest SCOUT check (``None`` without ``scout=`` or before the first check)."""
         return self.scout.last_result if self.scout is not None else None
+
+    @property
+    def membership(self) -> LiveStatus:
+        """Live membership now: epoch, members, this replica's index and weight, the last
+        change with its reason and timings (needs ``live=LiveConfig(...)``)."""
+        return self._live("handle.membership").status()
+
+    def sampler(
+        self, global_batch: int, dataset_len: int, seed: int = 0, *, steps: int | None = None
+    ) -> GlobalBatchSampler:
+        """The ``batch_sampler`` of this replica's share of each step's global batch.
+
+        ``DataLoader(dataset, batch_sampler=handle.sampler(B, len(dataset), seed),
+        num_workers=0)``; draw the batch inside the step closure (``next(it)``), so a step
+        redone under a new membership re-splits the same ``B`` samples. ``steps`` ends the
+        iteration after that step. Needs ``live=LiveConfig(...)``; call it once.
+        """
+        return self._live("handle.sampler(...)").sampler(
+            global_batch, dataset_len, seed, steps=steps
+        )
+
+    def batch_indices(self, step: int) -> list[int]:
+        """This replica's sample ids of ``step`` under the current membership (for a loader of
+        your own; after :meth:`sampler`)."""
+        return self._live("handle.batch_indices(step)").batch_indices(step)
+
+    def _live(self, what: str) -> LiveSession:
+        self._check_open()
+        if self.live is None:
+            raise ConfigError(
+                f"{what} needs live membership: pass live=LiveConfig(...) (with "
+                "mtgs=MTGSConfig()) to enable_resiliency and run under lm-resiliency launch"
+            )
+        return self.live
 
     @property
     def interval(self) -> int:
@@ -119,7 +157,12 @@ class ResiliencyHandle:
                 "mtgs=MTGSConfig(...) to enable_resiliency, or call loss.backward() and "
                 "optimizer.step() yourself (the capture then hangs off optimizer.step())"
             )
+        if self.live is not None:
+            self.live.before_step(self.close)
+            closure = self.live.wrap(closure)
         result = self.mtgs.step(closure, micro_batches=micro_batches)
+        if self.live is not None:
+            self.live.after_step(result)
         if result.committed:
             self._boundary.after_step()
         else:
@@ -134,6 +177,8 @@ class ResiliencyHandle:
         if self._closed:
             return
         self._closed = True
+        if self.live is not None:
+            self.live.finish()  # no member leaves while another confirms the last step
         if self._unbind is not None:
             self._unbind()
             self._unbind = None
@@ -144,7 +189,11 @@ class ResiliencyHandle:
             if self.scout is not None:
                 self.scout.close()
         finally:
-            self.manager.close()
+            try:
+                self.manager.close()
+            finally:
+                if self.live is not None:
+                    self.live.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,7 +1,8 @@
 """``ResiliencyConfig``: the configurations of all three tiers as one value.
 
-``enable_resiliency(model, optimizer, config=ResiliencyConfig(gemini=..., mtgs=..., scout=...))``
-is the same call as ``enable_resiliency(model, optimizer, config=..., mtgs=..., scout=...)``;
+``enable_resiliency(model, optimizer, config=ResiliencyConfig(gemini=..., mtgs=..., scout=...,
+live=...))`` is the same call as ``enable_resiliency(model, optimizer, config=..., mtgs=...,
+scout=..., live=...)``;
 today's separate arguments stay. A tier given both ways is refused (``ConfigError``), and
 ``interval=`` overrides ``gemini.interval`` as it overrides ``config.interval``.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from lm_resiliency._validate import validate
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.detection.scout_config import ScoutConfig
+from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
 __all__ = ["ResiliencyConfig"]
@@ -20,10 +22,10 @@ __all__ = ["ResiliencyConfig"]
 
 @dataclass(frozen=True, kw_only=True)
 class ResiliencyConfig:
-    """GEMINI's, MTGS's and SCOUT's configurations; ``None`` leaves a tier at its default.
+    """GEMINI's, MTGS's, SCOUT's and live membership's configurations; ``None``: the default.
 
-    ``gemini=None`` is ``InMemoryCkptConfig()``; ``mtgs=None`` and ``scout=None`` leave
-    MTGS and SCOUT off, as the ``mtgs=`` and ``scout=`` arguments do.
+    ``gemini=None`` is ``InMemoryCkptConfig()``; ``mtgs=None``, ``scout=None`` and
+    ``live=None`` leave MTGS, SCOUT and live membership off, as their arguments do.
     """
 
     gemini: InMemoryCkptConfig | None = None
@@ -34,6 +36,9 @@ class ResiliencyConfig:
 
     scout: ScoutConfig | None = None
     """SCOUT checks before every capture (``scout=``)."""
+
+    live: LiveConfig | None = None
+    """Live membership of data-parallel replica groups (``live=``; needs ``mtgs``)."""
 
     def __post_init__(self) -> None:
         validate(self, prefix="ResiliencyConfig.")

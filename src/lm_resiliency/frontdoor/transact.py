@@ -28,25 +28,45 @@ from lm_resiliency.faults import FaultInjector
 from lm_resiliency.frontdoor.objects import StateObjects, is_grad_scaler, is_lr_scheduler
 from lm_resiliency.integrations.base import Adapter
 from lm_resiliency.transactions import MTGS, MTGSConfig
+from lm_resiliency.transactions.reducer import Reducer
+from lm_resiliency.transactions.transaction import Stateful
 
 __all__ = ["attach_faults", "build_mtgs", "check_faults"]
 
 
 class _DataState:
-    """MTGS's data state over several ``state`` objects."""
+    """MTGS's data state over several ``state`` objects, plus objects added later.
 
-    def __init__(self, objects: StateObjects) -> None:
+    ``later`` holds objects made after the transaction (live mode: the sampler
+    ``handle.sampler(...)`` returns), restored before every retry like the others.
+    """
+
+    def __init__(self, objects: StateObjects, later: dict[str, Stateful] | None = None) -> None:
         self._objects = objects
+        self._later = later if later is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
-        return self._objects.state_dicts()
+        state = self._objects.state_dicts()
+        if self._later:
+            return {"objects": state, "later": {k: v.state_dict() for k, v in self._later.items()}}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._later and "later" in state:
+            for name, obj in self._later.items():
+                obj.load_state_dict(state["later"][name])
+            state = state["objects"]
         self._objects.load(state)
 
 
-def check_faults(faults: Any, mtgs: MTGSConfig | None) -> FaultInjector | None:
-    """Validate ``enable_resiliency(faults=...)`` before any collective; ``ConfigError``."""
+def check_faults(
+    faults: Any, mtgs: MTGSConfig | None, *, replica: int | None = None
+) -> FaultInjector | None:
+    """Validate ``enable_resiliency(faults=...)`` before any collective; ``ConfigError``.
+
+    In live mode (``replica`` given) a fault's number is a replica id: the injector must be
+    built for this process's replica (``LMR_REPLICA_GROUP``).
+    """
     if faults is None:
         return None
     if not isinstance(faults, FaultInjector):
@@ -61,7 +81,13 @@ def check_faults(faults: Any, mtgs: MTGSConfig | None) -> FaultInjector | None:
             "scheduled fault would ever fire"
         )
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if faults.rank != rank:
+    if replica is not None and faults.rank != replica:
+        raise ConfigError(
+            f"faults was built for rank={faults.rank} but this process is replica {replica} "
+            "(live membership numbers faults by replica group); build it with "
+            "FaultInjector(schedule, rank=int(os.environ['LMR_REPLICA_GROUP']))"
+        )
+    if replica is None and faults.rank != rank:
         raise ConfigError(
             f"faults was built for rank={faults.rank} but this process is rank {rank}; "
             "build it with FaultInjector(schedule, rank=dist.get_rank())"
@@ -93,8 +119,15 @@ def build_mtgs(
     *,
     committed_steps: int,
     faults: FaultInjector | None = None,
+    reducer: Reducer | None = None,
+    max_membership_changes: int | None = None,
+    later: dict[str, Stateful] | None = None,
 ) -> MTGS:
-    """The step transaction for a DDP adapter; raises ``ConfigError`` for ambiguous state."""
+    """The step transaction for a DDP adapter; raises ``ConfigError`` for ambiguous state.
+
+    ``reducer``/``max_membership_changes``: live mode's reducer and budget (``MTGS``'s);
+    ``later``: data state objects that appear after the transaction (the live sampler).
+    """
     ddp = getattr(adapter, "ddp", None)
     if ddp is None:
         raise ConfigError("MTGS needs the DDP adapter (enable_resiliency validates this)")
@@ -115,7 +148,9 @@ def build_mtgs(
         by_name[schedulers[0]] if schedulers else None,
         config=config,
         scaler=by_name[scalers[0]] if scalers else None,
-        data_state=_DataState(data) if len(data) else None,
+        data_state=_DataState(data, later) if len(data) or later is not None else None,
         faults=faults,
         committed_steps=committed_steps,
+        reducer=reducer,
+        max_membership_changes=max_membership_changes,
     )

@@ -35,15 +35,19 @@ def describe_model(adapter: Adapter) -> str:
     return f"{cls.__module__}.{cls.__qualname__} (adapter {adapter.framework!r})"
 
 
-def split_config(config: Any, mtgs: Any, scout: Any) -> tuple[Any, Any, Any]:
-    """``(config, mtgs, scout)`` with a :class:`ResiliencyConfig` in ``config`` unpacked.
+def split_config(config: Any, mtgs: Any, scout: Any, live: Any = None) -> tuple[Any, Any, Any, Any]:
+    """``(config, mtgs, scout, live)`` with a :class:`ResiliencyConfig` in ``config`` unpacked.
 
     A tier given both nested and as its own argument raises ``ConfigError`` (which one
     was meant cannot be guessed); anything else passes through for the checks below.
     """
     if not isinstance(config, ResiliencyConfig):
-        return config, mtgs, scout
-    for name, given, nested in (("mtgs", mtgs, config.mtgs), ("scout", scout, config.scout)):
+        return config, mtgs, scout, live
+    for name, given, nested in (
+        ("mtgs", mtgs, config.mtgs),
+        ("scout", scout, config.scout),
+        ("live", live, config.live),
+    ):
         if given is not None and nested is not None:
             raise ConfigError(
                 f"{name} is given twice, as {name}=... and as config=ResiliencyConfig("
@@ -53,6 +57,7 @@ def split_config(config: Any, mtgs: Any, scout: Any) -> tuple[Any, Any, Any]:
         config.gemini,
         mtgs if mtgs is not None else config.mtgs,
         scout if scout is not None else config.scout,
+        live if live is not None else config.live,
     )
 
 

@@ -1,0 +1,520 @@
+"""Live membership at the front door: ``enable_resiliency(..., live=LiveConfig())``.
+
+What it wires (docs/live-membership.md §4, §5, §8):
+
+* :func:`check_live` validates ``live=`` before anything collective: it needs ``mtgs=`` with
+  ``two_phase_commit`` and a shadow, and the launcher's environment
+  (``LMR_LIVE_COORDINATOR``); a job of one replica group logs the one line of §7 and keeps
+  today's path.
+* :class:`LiveSession` owns this process's :class:`~lm_resiliency.live.membership.Membership`
+  and the :class:`~lm_resiliency.live.reducer.LiveReducer` MTGS reduces through. It is the
+  sampler's :class:`~lm_resiliency.live.sampler.ShareSource` (step = the transaction's next
+  step, index/count = the current members), so a step redone under a new membership
+  re-splits the same global batch. It reseeds torch's generators at every attempt from
+  ``(seed, step, index, count)``, writes the commit log (``mtgs.commit`` with the epoch, the
+  members and, every ``digest_every`` commits, the state digest), fires the ``live.*`` kill
+  points and the scripted ``leave@R:S``.
+* GEMINI in live mode: every torchrun is its own world (``RANK`` 0 of 1 under N=1), so the
+  memory namespace is the run id plus ``.r<replica>``; replication across replicas and the
+  re-pairing at a change are not wired here (§7, a later phase).
+* The fresh start: every replica publishes the step it recovered (``start/<r>`` on the
+  coordinator store) and waits for the others'; replicas that recovered different steps are
+  refused with the fix (their memory is not one state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from lm_resiliency._killpoints import kill_point
+from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.detection.digest import digest_tensors
+from lm_resiliency.errors import ConfigError, ResiliencyError
+from lm_resiliency.faults import FaultInjector
+from lm_resiliency.faults.schedule import FaultKind
+from lm_resiliency.live.config import LiveConfig
+from lm_resiliency.live.membership import Change, Membership
+from lm_resiliency.live.reducer import LiveReducer
+from lm_resiliency.live.sampler import (
+    GlobalBatchSampler,
+    SampledBatch,
+    Share,
+    reseed_step,
+    share_size,
+    weight,
+)
+from lm_resiliency.live.view import CoordinatorLost
+from lm_resiliency.persistence.identity import RUN_ID_ENV
+from lm_resiliency.telemetry import EventLog
+from lm_resiliency.transactions.mtgs_config import MTGSConfig
+
+if TYPE_CHECKING:
+    from lm_resiliency.integrations.base import Adapter
+    from lm_resiliency.transactions import MTGS, StepResult
+
+__all__ = [
+    "LiveSession",
+    "LiveStatus",
+    "adapter_state_tensors",
+    "check_live",
+    "live_gemini_config",
+]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+COORDINATOR_ENV = "LMR_LIVE_COORDINATOR"
+NO_REPLICA_DIMENSION = (
+    "live membership off: the job has no replica dimension (FSDP shards the whole world); "
+    "a lost rank restarts the job and recovers from memory"
+)
+
+
+def check_live(
+    live: Any, mtgs: MTGSConfig | None, scout: Any, env: Mapping[str, str] | None = None
+) -> LiveConfig | None:
+    """``live`` validated against the other tiers and the environment; ``None``: live off.
+
+    Local and before any collective. Raises ``ConfigError`` naming the problem and the fix.
+    """
+    if live is None:
+        return None
+    if not isinstance(live, LiveConfig):
+        raise ConfigError(
+            f"live must be a lm_resiliency.live.LiveConfig, got {type(live).__name__}; e.g. "
+            "live=LiveConfig(lease_s=0.5)"
+        )
+    if mtgs is None:
+        raise ConfigError(
+            "live=LiveConfig(...) needs mtgs=MTGSConfig(...): the step lost with a replica is "
+            "redone exactly once through the MTGS transaction; pass mtgs=MTGSConfig() too"
+        )
+    if not mtgs.two_phase_commit or not mtgs.shadow:
+        raise ConfigError(
+            f"live=LiveConfig(...) needs MTGSConfig(two_phase_commit=True, shadow=True), got "
+            f"two_phase_commit={mtgs.two_phase_commit}, shadow={mtgs.shadow}: a survivor that "
+            "applied the lost step must keep its shadow until the next epoch says whether any "
+            "survivor confirmed it (docs/live-membership.md §4.3)"
+        )
+    if scout is not None:
+        raise ConfigError(
+            "scout=ScoutConfig(...) with live=LiveConfig(...) is not supported yet: SCOUT's "
+            "comparison groups across replica groups are rebuilt per membership epoch in a "
+            "later phase (docs/live-membership.md §7); leave scout=None in live mode"
+        )
+    env = os.environ if env is None else env
+    if not env.get(COORDINATOR_ENV):
+        raise ConfigError(
+            f"live=LiveConfig(...) needs a membership coordinator, but {COORDINATOR_ENV} is not "
+            "set: run the script under 'lm-resiliency launch --replica-groups R "
+            "--nproc-per-group N -- train.py ...' (or set the variables of "
+            "docs/live-membership.md §1 for a coordinator you started), or leave live=None"
+        )
+    if env.get("LMR_REPLICA_GROUPS", "").strip() == "1":
+        log.warning(NO_REPLICA_DIMENSION)
+        return None
+    return live
+
+
+def live_gemini_config(config: InMemoryCkptConfig, replica: int) -> InMemoryCkptConfig:
+    """GEMINI's config with a memory namespace of this replica's own (``<run>.r<replica>``).
+
+    Under the launcher every torchrun is its own world, so without this two replicas' rank 0
+    would share one memory slot.
+    """
+    base = config.run_id or os.environ.get(RUN_ID_ENV) or os.environ.get("LMR_LIVE_RUN") or "live"
+    return dataclasses.replace(config, run_id=f"{base}.r{replica}")
+
+
+@dataclass(frozen=True)
+class LiveStatus:
+    """``handle.membership``: this replica's place in the current membership epoch."""
+
+    epoch: int
+    members: tuple[int, ...]
+    replica: int
+    """This process's replica id (``LMR_REPLICA_GROUP``)."""
+    index: int
+    """Its rank in the epoch's cross-replica group (``members.index(replica)``)."""
+    weight: float
+    """Its share of the global batch (``n_i / B``), the factor its gradient is scaled by."""
+    last_change: Change | None
+    """The last change adopted (reason, cause, effective step, timings), ``None`` before any."""
+
+
+class LiveSession:
+    """One process's live membership, its reducer, its share of the data and its commit log.
+
+    Built by ``enable_resiliency`` (see the module doc); the training loop reaches it only
+    through the handle (``handle.membership``, ``handle.sampler``, ``handle.batch_indices``).
+    """
+
+    def __init__(self, config: LiveConfig, membership: Membership) -> None:
+        self.config = config
+        self.membership = membership
+        self.replica = membership.replica
+        self.seed = 0
+        self.global_batch: int | None = None
+        self.sampler_obj: GlobalBatchSampler | None = None
+        self.reducer: _KillPointReducer | None = None
+        self.txn: MTGS | None = None
+        self.leaves: frozenset[int] = frozenset()
+        self.data_state: dict[str, Any] = {}
+        """MTGS's later data state (the sampler, once made): restored before every redo."""
+        self.events = _events(config, membership)
+        self._digest_of: Callable[[], int] | None = None
+        self._redo_start: float | None = None
+        self._leaving = False
+
+    @classmethod
+    def start(cls, config: LiveConfig) -> LiveSession:
+        """Register with the coordinator (waits, bounded, for epoch 0 or joins)."""
+        return cls(config, Membership.from_env(config))
+
+    # -- wiring (enable_resiliency) ------------------------------------------------------
+
+    def agree_start(self, step: int) -> None:
+        """Every member publishes the step it recovered and checks the others recovered it too.
+
+        Raises ``ConfigError`` when the replicas' memory holds different steps, and
+        ``CoordinatorLost`` when the others do not answer within ``join_timeout_s``.
+        """
+        m = self.membership
+        key = f"{m.keys.root}start/{m.epoch}/"
+        self._ask(lambda s: s.set(f"{key}{self.replica}/{m.group_rank}", str(step)))
+        wanted = [f"{key}{r}/{m.group_rank}" for r in m.members]
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while not self._ask(lambda s: s.check(wanted)):
+            if time.monotonic() > deadline:
+                raise CoordinatorLost(
+                    f"replicas {list(m.members)} did not all report their start step within "
+                    f"join_timeout_s={self.config.join_timeout_s:g}"
+                )
+            time.sleep(self.config.poll_slice_s)
+        got = self._ask(lambda s: s.multi_get(wanted))
+        steps = {r: int(v) for r, v in zip(m.members, got, strict=True)}
+        if len(set(steps.values())) > 1:
+            raise ConfigError(
+                f"live membership: the replicas recovered different steps from their memory "
+                f"({', '.join(f'replica {r}: step {s}' for r, s in steps.items())}); they must "
+                "start from one state. Remove the stale in-memory checkpoints (lm-resiliency "
+                "clean --run RUN) or give the run a new id, then start again"
+            )
+        self.membership.set_committed(step)
+
+    def build_reducer(self) -> LiveReducer:
+        """The epoch's cross-replica group (collective over the members)."""
+        self.reducer = _KillPointReducer(
+            self,
+            self.membership,
+            self._weight_of,
+            poll_slice_s=self.config.poll_slice_s,
+            pg_timeout_s=self.config.pg_timeout_s,
+        )
+        return self.reducer
+
+    def bind(self, txn: MTGS, state_tensors: Callable[[], list[torch.Tensor]]) -> None:
+        """Attach the transaction (the step source) and the state the digest covers."""
+        self.txn = txn
+
+        def digest() -> int:
+            return digest_tensors(state_tensors())
+
+        self._digest_of = digest
+        model = txn.model.module
+        model.register_forward_pre_hook(lambda *_: kill_point("live.forward", step=self.step))
+        txn.optimizer.register_step_pre_hook(
+            lambda *_: kill_point("live.before_step", step=self.step)
+        )
+
+    def script(self, faults: FaultInjector | None) -> None:
+        """The steps before which this replica leaves cleanly (``leave@R:S``)."""
+        if faults is None:
+            return
+        self.leaves = frozenset(
+            f.step for f in faults.schedule if f.kind is FaultKind.LEAVE and f.rank == self.replica
+        )
+
+    # -- ShareSource and the data --------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """The step being computed (the transaction's next step)."""
+        return (self.txn.committed_steps if self.txn is not None else 0) + 1
+
+    def current(self) -> Share:
+        m = self.membership
+        return Share(self.step, m.index, len(m.members), m.epoch, self.replica)
+
+    def sampler(
+        self, global_batch: int, dataset_len: int, seed: int = 0, *, steps: int | None = None
+    ) -> GlobalBatchSampler:
+        """A ``batch_sampler`` of this replica's share of every step (one per session)."""
+        if self.sampler_obj is not None:
+            raise ConfigError(
+                "handle.sampler(...) was already called; one sampler per run (reuse it, or "
+                "call handle.batch_indices(step) for a loader of your own)"
+            )
+        sampler = GlobalBatchSampler(
+            dataset_len, global_batch, seed, self, steps=steps, on_batch=self._on_batch
+        )
+        share_size(global_batch, 0, self.membership.replicas)  # validates B >= 1 early
+        if global_batch < self.membership.replicas:
+            raise ConfigError(
+                f"global_batch={global_batch} is smaller than the {self.membership.replicas} "
+                "replica groups: a replica would get no sample; use a global batch of at least "
+                "the replica count"
+            )
+        self.sampler_obj, self.global_batch, self.seed = sampler, global_batch, seed
+        self.data_state["live_sampler"] = sampler
+        if self.reducer is not None:
+            self.reducer.reweigh()
+        return sampler
+
+    def batch_indices(self, step: int) -> list[int]:
+        """This replica's sample ids of ``step`` under the current membership."""
+        if self.sampler_obj is None:
+            raise ConfigError(
+                "handle.batch_indices(step) needs the global batch: call "
+                "handle.sampler(global_batch, dataset_len, seed) once first"
+            )
+        m = self.membership
+        return self.sampler_obj.indices_for(step, m.index, len(m.members))
+
+    def _on_batch(self, batch: SampledBatch) -> None:
+        self._log(
+            "live.sample",
+            step=batch.step,
+            epoch=batch.epoch,
+            index=batch.index,
+            count=batch.count,
+            indices=list(batch.indices),
+        )
+
+    def _weight_of(self, members: tuple[int, ...], replica: int) -> float:
+        if self.global_batch is None:
+            return 1.0 / len(members)
+        n = share_size(self.global_batch, members.index(replica), len(members))
+        return weight(n, self.global_batch, self.config.loss_reduction)
+
+    # -- per step (the handle) -----------------------------------------------------------
+
+    def wrap(self, closure: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """The closure MTGS runs, reseeding torch's generators first (at every attempt)."""
+
+        def reseeded(*args: Any) -> torch.Tensor:
+            if not args or args[0] == 0:
+                m = self.membership
+                reseed_step(
+                    self.seed,
+                    self.step,
+                    m.index,
+                    len(m.members),
+                    python_and_numpy=self.config.reseed_all,
+                )
+            return closure(*args)
+
+        return reseeded
+
+    def before_step(self, close: Callable[[], None]) -> None:
+        """Fire a scripted ``leave`` of this replica (it flags the epoch, closes, exits 0)."""
+        step = self.step
+        if step not in self.leaves:
+            return
+        self._log("live.leave", step=step)
+        self._leaving = True
+        self.membership.report_failure("leave")
+        close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # a clean exit that runs no Gloo destructor of a group the peers still use
+
+    def after_step(self, result: StepResult) -> None:
+        """Log the commit (and its digest) and tell the heartbeat the newest committed step."""
+        if not result.committed:
+            return
+        self.membership.set_committed(result.step)
+        m = self.membership
+        fields: dict[str, Any] = {
+            "step": result.step,
+            "epoch": m.epoch,
+            "members": list(m.members),
+        }
+        every = self.config.digest_every
+        if every and result.step % every == 0 and self._digest_of is not None:
+            fields["digest"] = f"{self._digest_of():016x}"
+        if result.membership_changes:
+            change = result.membership_changes[-1]
+            fields["change"] = {
+                "epoch": change.epoch,
+                "outcome": change.outcome,
+                "cause": change.cause,
+                "reform_s": change.reform_ns / 1e9,
+            }
+        self._log("mtgs.commit", **fields)
+
+    def status(self) -> LiveStatus:
+        m = self.membership
+        change = m.last_change
+        if change is not None and self.reducer is not None:
+            change = dataclasses.replace(change, rebuild_s=self.reducer.last_build_s)
+        return LiveStatus(
+            epoch=m.epoch,
+            members=m.members,
+            replica=self.replica,
+            index=m.index,
+            weight=self.reducer.weight if self.reducer is not None else 1.0 / len(m.members),
+            last_change=change,
+        )
+
+    def await_admission(self) -> None:
+        """A replica restarted after the run began waits, bounded, to be admitted.
+
+        The admission and the heal (docs/live-membership.md §6) are not built in this slice:
+        the wait ends with ``CoordinatorLost`` after ``join_timeout_s`` (or the launcher's
+        teardown ends the process first).
+        """
+        self._log("live.joining", epoch=self.membership.epoch)
+        log.warning(
+            "live membership: replica %d restarted after the run began; it registered as a "
+            "joiner and waits (at most join_timeout_s=%g s) to be admitted",
+            self.replica,
+            self.config.join_timeout_s,
+        )
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while self.membership.joining:
+            if time.monotonic() > deadline:
+                raise CoordinatorLost(
+                    f"replica {self.replica} was not admitted within join_timeout_s="
+                    f"{self.config.join_timeout_s:g}"
+                )
+            time.sleep(self.config.poll_slice_s)
+
+    def finish(self) -> None:
+        """At the end of training: wait (bounded) until every member has finished too.
+
+        A member that exits while another still waits for the last step's confirmation would
+        be a lost replica to it: that one would redo the step alone, and the step would be
+        committed twice under two memberships (seen by ``check_run``). So every member
+        publishes ``done/<E>/<r>/<g>`` and waits, at most ``reform_timeout_s``, for the
+        other members' before it leaves.
+        """
+        if self._leaving or self.membership.joining:
+            return
+        m = self.membership
+        key = f"{m.keys.root}done/{m.epoch}/"
+        try:
+            self._ask(lambda s: s.set(f"{key}{self.replica}/{m.group_rank}", str(self.step - 1)))
+            wanted = [f"{key}{r}/{m.group_rank}" for r in m.members]
+            deadline = time.monotonic() + self.config.reform_timeout_s
+            while not self._ask(lambda s: s.check(wanted)) and time.monotonic() < deadline:
+                time.sleep(self.config.poll_slice_s)
+        except CoordinatorLost:
+            log.warning("live membership: coordinator lost while finishing; leaving anyway")
+
+    def close(self) -> None:
+        self.membership.close()
+        if self.events is not None:
+            self.events.close()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _log(self, event: str, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.log(
+                event, replica=self.replica, pid=os.getpid(), inc=self.membership.incarnation,
+                **fields,
+            )  # fmt: skip
+
+    def _ask(self, request: Callable[[Any], _T]) -> _T:
+        """One store request on a helper thread, bounded by ``coordinator_timeout_s`` (a
+        request to a stopped coordinator never returns)."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = request(self.membership.store())
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name="lmr-live-start", daemon=True)
+        thread.start()
+        thread.join(self.config.coordinator_timeout_s)
+        if thread.is_alive():
+            raise CoordinatorLost(
+                f"live coordinator silent for {self.config.coordinator_timeout_s:g} s at start; "
+                "falling back to whole-job restart with memory recovery"
+            )
+        if "error" in box:
+            raise box["error"]
+        return box["value"]  # type: ignore[no-any-return]
+
+
+class _KillPointReducer(LiveReducer):
+    """The live reducer with the ``live.*`` kill points of the collectives of a step."""
+
+    def __init__(self, session: LiveSession, *args: Any, **kwargs: Any) -> None:
+        self._session = session
+        super().__init__(*args, **kwargs)
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        fut = super().allreduce(tensor)
+        txn = self._session.txn
+        if txn is not None:
+            step, hook = self._session.step, txn.hook
+            if hook.vote_cast and hook.reduced_codes() is not None:
+                kill_point("live.confirm", step=step)  # the commit confirmation is in flight
+            elif hook.vote_cast:
+                kill_point("live.vote", step=step)  # this rank's vote left with the last bucket
+            elif hook.buckets_launched == 1:
+                kill_point("live.bucket_allreduce", step=step)
+        return fut
+
+    def reweigh(self) -> None:
+        """Recompute this replica's weight (the global batch became known)."""
+        self._weight = float(self.weight_fn(self.members, self.view.replica))
+
+
+def adapter_state_tensors(adapter: Adapter) -> Callable[[], list[torch.Tensor]]:
+    """The tensors the commit log's digest covers: parameters, buffers, optimizer state."""
+
+    def tensors() -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for module in adapter.modules():
+            out += [t.detach() for t in module.parameters()]
+            out += [t.detach() for t in module.buffers()]
+        for opt in adapter.step_optimizers():
+            for state in opt.state.values():
+                out += [v for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+        return out
+
+    return tensors
+
+
+def _events(config: LiveConfig, membership: Membership) -> EventLog | None:
+    folder = os.environ.get("LMR_LIVE_EVENTS")
+    if not folder:
+        return None
+    name = f"events-replica-{membership.replica}-rank-{membership.group_rank}.jsonl"
+    return EventLog(Path(folder) / name, rank=membership.group_rank)
+
+
+def require_session(session: LiveSession | None, what: str) -> LiveSession:
+    if session is None:
+        raise ResiliencyError(
+            f"{what} needs live membership: pass live=LiveConfig(...) to enable_resiliency and "
+            "run under lm-resiliency launch"
+        )
+    return session

@@ -1,0 +1,143 @@
+"""Invariants of a live-membership run, checked from its event logs (docs/live-membership.md §9).
+
+``check_run(run_dir)`` reads every ``events-replica-<r>-rank-<g>.jsonl`` a run wrote (the
+front door writes them when ``LMR_LIVE_EVENTS`` names the folder) and raises
+``AssertionError`` naming the first broken invariant:
+
+* the survivors' PIDs never change: every replica that committed the run's last step did so
+  in the process that committed its first one;
+* each process's commit log is ``1, 2, ..., k``: no step skipped or repeated;
+* every sample id of every committed step is consumed exactly once: the shares of the
+  members that committed it, drawn under the epoch of the commit, together hold the step's
+  global batch once (``stream=(seed, dataset_len, global_batch)`` also checks it is
+  :func:`~lm_resiliency.live.sampler.global_indices` of the step);
+* every replica's digest is the same after every commit (``LiveConfig(digest_every=1)``);
+* with ``reference=`` (another run's :class:`LiveRun`), the final digest equals the
+  reference's digest of the same step, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lm_resiliency.live.sampler import global_indices
+
+__all__ = ["LiveRun", "check_run", "read_events"]
+
+
+@dataclass
+class LiveRun:
+    """What :func:`check_run` found: per step, the commits; the final step and digest."""
+
+    commits: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    """Step -> every replica's ``mtgs.commit`` record of it."""
+    last_step: int = 0
+    final_digest: str | None = None
+    survivors: tuple[int, ...] = ()
+    """The replicas that committed the last step."""
+    lost: tuple[int, ...] = ()
+    """The replicas that stopped committing before the last step."""
+    pids: dict[int, list[int]] = field(default_factory=dict)
+    """Replica -> the pids that wrote its events, in order of appearance."""
+
+    def digest_at(self, step: int) -> str | None:
+        digests = {c.get("digest") for c in self.commits.get(step, [])}
+        return next(iter(digests)) if len(digests) == 1 else None
+
+    def members_at(self, step: int) -> tuple[int, ...]:
+        return tuple(sorted(c["replica"] for c in self.commits.get(step, [])))
+
+    def first_commit_time(self, step: int) -> float:
+        """The wall time (s) of the first commit of ``step`` by any replica."""
+        return float(min(c["ts_ns"] for c in self.commits[step])) / 1e9
+
+
+def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of every replica's event log, in file order per replica."""
+    out: list[dict[str, Any]] = []
+    for path in sorted(Path(run_dir).glob("events-replica-*-rank-*.jsonl")):
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def check_run(
+    run_dir: str | Path,
+    *,
+    reference: LiveRun | None = None,
+    stream: tuple[int, int, int] | None = None,
+) -> LiveRun:
+    """Check the invariants of the module doc; returns the :class:`LiveRun` (``AssertionError``)."""
+    records = read_events(run_dir)
+    assert records, f"no live event log in {run_dir} (set LMR_LIVE_EVENTS to it)"
+    run = LiveRun()
+    by_pid: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_pid[r["pid"]].append(r)
+        pids = run.pids.setdefault(r["replica"], [])
+        if r["pid"] not in pids:
+            pids.append(r["pid"])
+    samples: dict[tuple[int, int, int], list[int]] = {}  # (pid, step, epoch) -> last draw
+    for pid, recs in by_pid.items():
+        steps = [r["step"] for r in recs if r["event"] == "mtgs.commit"]
+        assert steps == list(range(1, len(steps) + 1)), (
+            f"pid {pid} (replica {recs[0]['replica']}) committed steps {steps}: a step was "
+            "skipped or repeated"
+        )
+        for r in recs:
+            if r["event"] == "mtgs.commit":
+                run.commits.setdefault(r["step"], []).append(r)
+            elif r["event"] == "live.sample":
+                samples[(pid, r["step"], r["epoch"])] = list(r["indices"])
+    assert run.commits, f"no commit in {run_dir}"
+    run.last_step = max(run.commits)
+    run.survivors = run.members_at(run.last_step)
+    run.lost = tuple(sorted(set(run.pids) - set(run.survivors)))
+    for replica in run.survivors:
+        committing = {c["pid"] for s in run.commits.values() for c in s if c["replica"] == replica}
+        assert len(committing) == 1, (
+            f"survivor replica {replica} committed from several processes {sorted(committing)}: "
+            "its PID changed (a survivor was restarted)"
+        )
+    for step in sorted(run.commits):
+        commits = run.commits[step]
+        replicas = [c["replica"] for c in commits]
+        assert len(replicas) == len(set(replicas)), f"step {step} committed twice: {replicas}"
+        epochs = {c["epoch"] for c in commits}
+        members = {tuple(c["members"]) for c in commits}
+        assert len(epochs) == 1 and len(members) == 1, (
+            f"step {step} was committed under epochs {epochs} / members {members}"
+        )
+        assert members == {tuple(sorted(replicas))}, (
+            f"step {step}: members {members} but committed by replicas {sorted(replicas)}"
+        )
+        digests = {c.get("digest") for c in commits}
+        assert len(digests) == 1, f"step {step}: replicas' digests differ: {commits}"
+        (epoch,) = epochs
+        drawn: list[int] = []
+        for c in commits:
+            key = (c["pid"], step, epoch)
+            assert key in samples, (
+                f"step {step}: replica {c['replica']} drew no batch in epoch {epoch}"
+            )
+            drawn += samples[key]
+        twice = [i for i, n in Counter(drawn).items() if n > 1]
+        assert not twice, f"step {step}: sample ids {twice[:10]} were consumed more than once"
+        if stream is not None:
+            seed, dataset_len, global_batch = stream
+            batch = sorted(global_indices(seed, step, dataset_len, global_batch))
+            assert sorted(drawn) == batch, (
+                f"step {step}: the members consumed {len(drawn)} samples, not the step's global "
+                f"batch of {global_batch} exactly once"
+            )
+    run.final_digest = run.digest_at(run.last_step)
+    if reference is not None:
+        ref = reference.digest_at(run.last_step)
+        assert ref is not None, f"the reference run has no digest of step {run.last_step}"
+        assert run.final_digest == ref, (
+            f"final digest of step {run.last_step} is {run.final_digest}, the reference's {ref}"
+        )
+    return run
