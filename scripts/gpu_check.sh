@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-only checks (CUDA capture path, pinned arenas, SCOUT replays, MTGS shadow and
-# transactions on CUDA);
+# transactions on CUDA, live membership on NCCL);
 # CI never runs this. Uses the machine's own torch; crc32c (persistence only) is not needed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,12 @@ rc=$(( rc || PIPESTATUS[0] ))
 # SCOUT on the GPU: replays reproducible and agreeing across two DDP ranks (fp32, bf16
 # autocast), training RNG untouched, a persistent SDC found, the replay's floor (~1 min).
 python3 scripts/gpu_scout_check.py 2>&1 | tee -a "${OUT:-/tmp}/gpu_check.log"
+rc=$(( rc || PIPESTATUS[0] ))
+# Live membership on NCCL: a replica SIGKILLed inside a 16 MiB bucket all-reduce; the
+# survivors leave within 1 s, abort, rebuild (ncclCommShrink and a new group, both timed),
+# all-reduce correctly on the next epoch and exit cleanly (2-4 replicas, one GPU each where
+# there are enough, else shared with per-process NCCL_HOSTID; ~1 min).
+python3 scripts/gpu_live_check.py 2>&1 | tee -a "${OUT:-/tmp}/gpu_check.log"
 rc=$(( rc || PIPESTATUS[0] ))
 # The test suite's CUDA-only tests (skipped on CPU machines).
 python3 -m pytest -q -p no:cacheprovider -k "cuda" \

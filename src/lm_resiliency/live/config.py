@@ -52,7 +52,8 @@ class LiveConfig:
     """Bound on each wait of a heal transfer (not the whole transfer)."""
 
     pg_timeout_s: float = 30.0
-    """Timeout of each epoch's cross-replica Gloo group (bounds abandoned Gloo threads)."""
+    """Timeout of each epoch's cross-replica group (bounds abandoned Gloo threads; NCCL's
+    watchdog timeout)."""
 
     min_replicas: int = 1
     """Fewer surviving replicas than this: the new epoch has no members and every worker falls

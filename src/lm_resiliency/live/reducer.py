@@ -52,8 +52,12 @@ class LiveReducer:
         *,
         poll_slice_s: float = 0.05,
         pg_timeout_s: float = 30.0,
+        backend: str | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.view = view
+        self.backend = backend
+        self.device = device
         self.weight_fn = weight_fn
         self.poll_slice_s = poll_slice_s
         self.pg_timeout_s = pg_timeout_s
@@ -61,7 +65,17 @@ class LiveReducer:
         """Wall time of the last :meth:`reform` (ack, wait for the record, rebuild)."""
         self.last_build_s = 0.0
         """Wall time of the last group build alone."""
-        self.group = self._build(view.epoch, view.members)
+        self.group = self._adopt(
+            CrossReplicaGroup.build(
+                view,
+                epoch=view.epoch,
+                members=view.members,
+                poll_slice_s=poll_slice_s,
+                pg_timeout_s=pg_timeout_s,
+                backend=backend,
+                device=device,
+            )
+        )
 
     @property
     def epoch(self) -> int:
@@ -108,19 +122,18 @@ class LiveReducer:
             in_flight=report.in_flight,
             pid=os.getpid(),
         )
-        record = self.view.reform(ack)
-        self.group = self._build(record.epoch, record.members)
+        try:
+            record = self.view.reform(ack)
+        except BaseException:
+            self.group.close()  # no successor: a kept NCCL communicator is aborted now
+            raise
+        # A new group, or on NCCL the failed communicator shrunk to the survivors.
+        self.group = self._adopt(self.group.successor(epoch=record.epoch, members=record.members))
         self.last_reform_s = time.perf_counter() - t0
         return Reformed(epoch=record.epoch, members=record.members, resume_step=record.resume_step)
 
-    def _build(self, epoch: int, members: tuple[int, ...]) -> CrossReplicaGroup:
-        group = CrossReplicaGroup.build(
-            self.view,
-            epoch=epoch,
-            members=members,
-            poll_slice_s=self.poll_slice_s,
-            pg_timeout_s=self.pg_timeout_s,
-        )
+    def _adopt(self, group: CrossReplicaGroup) -> CrossReplicaGroup:
+        members = group.members
         self.last_build_s = group.build_s
         self._weight = float(self.weight_fn(members, self.view.replica))
         if not 0.0 < self._weight <= 1.0:
