@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from lm_resiliency.testing.live import LiveRun, check_run
+from lm_resiliency.live.runcheck import LiveRun, check_run
 
 pytestmark = pytest.mark.slow
 
