@@ -28,6 +28,7 @@ STABLE_API = [
     "IdentityMismatch",
     "InMemoryCkptConfig",
     "IntegrityError",
+    "LiveConfig",
     "MTGSConfig",
     "NoConsistentStep",
     "RankFailures",
@@ -59,7 +60,7 @@ def test_enable_resiliency_keeps_its_documented_signature() -> None:
     params = inspect.signature(lm_resiliency.enable_resiliency).parameters
     assert list(params) == [
         "model", "optimizer", "interval", "load_fallback", "save_durable", "state", "config",
-        "mtgs", "scout", "failure_kind", "faults",
+        "mtgs", "scout", "failure_kind", "faults", "live",
     ]  # fmt: skip
     assert params["interval"].default == 10
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY for n in list(params)[2:])
