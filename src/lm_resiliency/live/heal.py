@@ -32,19 +32,23 @@ import bisect
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from lm_resiliency._killpoints import kill_point
+from lm_resiliency.capture.arena import allocate_arena
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.detection.digest import digest_tensors
 from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.knobs import MAX_IN_FLIGHT_CHUNKS, REPLICATION_CHUNK_BYTES
-from lm_resiliency.live.keys import EpochRecord
+from lm_resiliency.live.config import LiveConfig
+from lm_resiliency.live.keys import EpochRecord, Keys
 from lm_resiliency.live.membership import Membership
 from lm_resiliency.live.view import CoordinatorLost, Evicted
 from lm_resiliency.replication.torch_transfer import TorchTransfer
@@ -56,6 +60,7 @@ from lm_resiliency.state.schema import dumps_document
 __all__ = [
     "HEAL_FORMAT",
     "HealFailed",
+    "HealPeer",
     "Healed",
     "at_boundary",
     "join",
@@ -75,6 +80,21 @@ class HealFailed(ResiliencyError):
     """A heal did not complete (the message names the peer, the step and why)."""
 
 
+class HealPeer(Protocol):
+    """What :func:`serve` and :func:`receive` need of an endpoint (a ``Membership`` is one)."""
+
+    @property
+    def keys(self) -> Keys: ...
+
+    @property
+    def group_rank(self) -> int: ...
+
+    @property
+    def config(self) -> LiveConfig: ...
+
+    def store(self) -> dist.Store: ...
+
+
 @dataclass(frozen=True)
 class Healed:
     """What a joiner received: the tree (tensors view the received arena) and its facts."""
@@ -82,10 +102,12 @@ class Healed:
     tree: Any
     step: int
     digest: str
-    """The donor's :func:`state_digest` of the tree it sent."""
+    """The donor's :func:`state_digest` of its state (what the joiner's load must match)."""
     nbytes: int
     seconds: float
     """Waiting for the donor's key to the last byte checked."""
+    transfer_s: float = 0.0
+    """The transfer itself: the rendezvous, header, chunks, trailer and ack."""
 
 
 def state_digest(tree: Any) -> str:
@@ -104,12 +126,12 @@ def _step(record: EpochRecord) -> int:
     return int(record.heal["step"])
 
 
-def _prefix(m: Membership, record: EpochRecord) -> str:
+def _prefix(m: HealPeer, record: EpochRecord) -> str:
     assert record.heal is not None
     return m.keys.heal_prefix(record.epoch, record.heal["joiner"], m.group_rank)
 
 
-def _transfer(m: Membership, rank: int, prefix: str, chunk_bytes: int) -> TorchTransfer:
+def _transfer(m: HealPeer, rank: int, prefix: str, chunk_bytes: int) -> TorchTransfer:
     return TorchTransfer(
         run_id=m.keys.run,
         rank=rank,
@@ -156,15 +178,18 @@ class _TreeReader:
 
 def serve(
     tree: Any,
-    membership: Membership,
+    membership: HealPeer,
     record: EpochRecord,
     *,
     chunk_bytes: int = REPLICATION_CHUNK_BYTES,
 ) -> float:
     """On the donor's rank g: stream ``tree`` (its state at h) to the joiner's rank g.
 
-    Returns the seconds the transfer took. Raises ``ReplicationError`` (naming the peer and
-    the step) when the joiner does not arrive within ``heal_timeout_s``, refuses, or dies.
+    The tree's digest is computed on a helper thread while the bytes go out (the state does
+    not change during a heal) and published after the transfer, for the joiner to check
+    its load against. Returns the seconds the transfer took. Raises ``ReplicationError``
+    (naming the peer and the step) when the joiner does not arrive within
+    ``heal_timeout_s``, refuses, or dies.
     """
     step = _step(record)
     enc = encode_state(tree)
@@ -178,27 +203,38 @@ def serve(
         layout_digest=layout.digest,
         total_bytes=layout.total_bytes,
     )
-    doc = {"format": HEAL_FORMAT, "step": step, "digest": _digest(enc), "document": enc.document}
+    doc = {"format": HEAL_FORMAT, "step": step, "document": enc.document}
     prefix = _prefix(membership, record)
-    membership.store().set(prefix + "key", json.dumps(key.to_json()))
-    t0 = time.perf_counter()
-    _transfer(membership, _DONOR, prefix, chunk_bytes).send(
-        key, layout=layout, state_document=doc, reader=_TreeReader(layout, enc.tensors, step)
-    )
-    return time.perf_counter() - t0
+    store = membership.store()
+    digest: list[str] = []
+    hasher = threading.Thread(target=lambda: digest.append(_digest(enc)), name="lmr-heal-digest")
+    hasher.start()
+    try:
+        store.set(prefix + "key", json.dumps(key.to_json()))
+        t0 = time.perf_counter()
+        _transfer(membership, _DONOR, prefix, chunk_bytes).send(
+            key, layout=layout, state_document=doc, reader=_TreeReader(layout, enc.tensors, step)
+        )
+        seconds = time.perf_counter() - t0
+    finally:
+        hasher.join()
+    store.set(prefix + "digest", digest[0])
+    return seconds
 
 
 def receive(
-    membership: Membership,
+    membership: HealPeer,
     record: EpochRecord,
     *,
     chunk_bytes: int = REPLICATION_CHUNK_BYTES,
 ) -> Healed:
     """On the joiner's rank g: receive the donor's state at h (every wait bounded).
 
-    Raises :class:`HealFailed` when the donor publishes no transfer within ``heal_timeout_s``
-    (or the admission is superseded first), ``ReplicationError``/``IntegrityError`` from the
-    transport, and :class:`HealFailed` when the received tree's digest is not the donor's.
+    Every chunk is checked against the CRC-32C the donor computed as it sent it; the donor's
+    digest of its state comes with the result (the joiner checks its load against it, see
+    :func:`join`). Raises :class:`HealFailed` when the donor publishes no transfer (or no
+    digest) within ``heal_timeout_s`` or the admission is superseded first, and
+    ``ReplicationError``/``IntegrityError`` from the transport.
     """
     step = _step(record)
     assert record.heal is not None
@@ -206,20 +242,8 @@ def receive(
     prefix = _prefix(membership, record)
     store = membership.store()
     t0 = time.perf_counter()
-    deadline = time.monotonic() + membership.config.heal_timeout_s
     newer = membership.keys.epoch_record(record.epoch + 1)
-    while not store.check([prefix + "key"]):
-        if store.check([newer]):
-            raise HealFailed(
-                f"the admission of epoch {record.epoch} ended (epoch {record.epoch + 1} is out) "
-                f"before {donor} offered its state of step {step}"
-            )
-        if time.monotonic() > deadline:
-            raise HealFailed(
-                f"{donor} offered no state of step {step} within heal_timeout_s="
-                f"{membership.config.heal_timeout_s:g}"
-            )
-        time.sleep(membership.config.poll_slice_s)
+    _await(membership, prefix + "key", newer, f"{donor} offered no state of step {step}")
     key = TransferKey(**json.loads(store.get(prefix + "key")))
     if key.step != step or key.dst != _JOINER:
         raise HealFailed(f"{donor} offered {key.describe}, not the heal of step {step}")
@@ -228,7 +252,13 @@ def receive(
         if 2 * got >= key.total_bytes:
             kill_point("live.heal_recv", step=step)  # half the state has arrived
 
-    received = _transfer(membership, _JOINER, prefix, chunk_bytes).recv(key, on_chunk=on_chunk)
+    # Map the arena's pages in one call before the bytes come (faulting them in one by one
+    # while receiving is slow on a loaded host).
+    arena = allocate_arena(key.total_bytes, pin=False)
+    t1 = time.perf_counter()
+    transfer = _transfer(membership, _JOINER, prefix, chunk_bytes)
+    received = transfer.recv(key, on_chunk=on_chunk, into=arena)
+    transfer_s = time.perf_counter() - t1
     doc = received.state_document
     if doc.get("format") != HEAL_FORMAT or doc.get("step") != step:
         raise HealFailed(
@@ -236,14 +266,22 @@ def receive(
             f"not {HEAL_FORMAT!r} step {step}"
         )
     tree = decode_state(doc["document"], received.layout.views(received.arena))
-    digest = state_digest(tree)
-    if digest != doc["digest"]:
-        raise HealFailed(
-            f"the state received from {donor} for step {step} has digest {digest}, but the "
-            f"donor's was {doc['digest']}; it was discarded"
-        )
+    _await(membership, prefix + "digest", newer, f"{donor} published no digest of step {step}")
+    digest = bytes(store.get(prefix + "digest")).decode()
     seconds = time.perf_counter() - t0
-    return Healed(tree, step, digest, key.total_bytes, seconds)
+    return Healed(tree, step, digest, key.total_bytes, seconds, transfer_s)
+
+
+def _await(peer: HealPeer, key: str, newer: str, what: str) -> None:
+    """Poll for ``key`` (bounded by ``heal_timeout_s``; stops early once ``newer`` exists)."""
+    store = peer.store()
+    deadline = time.monotonic() + peer.config.heal_timeout_s
+    while not store.check([key]):
+        if store.check([newer]):
+            raise HealFailed(f"{what}: the admission ended (the next epoch is out)")
+        if time.monotonic() > deadline:
+            raise HealFailed(f"{what} within heal_timeout_s={peer.config.heal_timeout_s:g}")
+        time.sleep(peer.config.poll_slice_s)
 
 
 def at_boundary(
