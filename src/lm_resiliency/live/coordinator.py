@@ -12,8 +12,18 @@ once), then:
 4. during a change: writes ``fail/<E>`` if absent, collects ``ack/<E>/<r>/<g>`` until every
    member rank has acked or is dead (EOF, or a heartbeat older than ``stale_s``), capped at
    ``lease_s``; then publishes ``epoch/<E+1>`` and ``epoch``;
-5. registers joiners (``join/<r>/<g>``); an admission is scheduled once all N ranks of a
-   replica joined (:meth:`Coordinator.schedule_admission`, the heal's seam).
+5. registers joiners (``join/<r>/<g>`` of an incarnation whose liveness socket is open); an
+   admission is scheduled once all N ranks of a replica joined and no change is under way
+   (:meth:`Coordinator.schedule_admission`): ``epoch/<E+1>`` with the members unchanged,
+   ``reason="admit"`` and ``heal={joiner, donor, step h}``;
+6. during an admission: once every member committed h (heartbeats) and every joiner rank
+   acked the heal with its digest, publishes ``epoch/<E+2>`` with the joiner among the
+   members (``reason="admitted"``). A joiner that dies, goes silent for ``lease_s`` or acks
+   an error cancels it: ``epoch/<E+2>`` with the old members (``"admission cancelled"``),
+   published once every member committed h. A loss during an admission is a normal change
+   (the joiner stays registered and is scheduled again with the next donor). Members may
+   still be in epoch E (stepping towards h) while E+1 is published, so during an admission
+   ``fail/``, ``ack/`` and heartbeats of epochs E and E+1 both count.
 
 Fencing: heartbeats, acks and ``fail/`` keys of an incarnation that is not a member of the
 current epoch, or of an older epoch, are ignored.
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -44,7 +55,7 @@ from lm_resiliency.live.keys import (
 )
 from lm_resiliency.live.liveness import Gone, Hello, LivenessServer
 
-__all__ = ["Coordinator", "Decision", "Joiner"]
+__all__ = ["Admission", "Coordinator", "Decision", "Joiner"]
 
 _log = logging.getLogger(__name__)
 
@@ -74,6 +85,28 @@ class Joiner:
     ranks: dict[int, Join] = field(default_factory=dict)
     registered_at: float = 0.0
     scheduled: bool = False
+
+
+@dataclass
+class Admission:
+    """A scheduled heal (``epoch/<admit_epoch>``, reason ``"admit"``) until its outcome."""
+
+    joiner: int
+    donor: int
+    step: int
+    """h: every member commits h, then the donor streams its state at step h."""
+    base_epoch: int
+    """The epoch the members were in when it was scheduled (``admit_epoch - 1``)."""
+    admit_epoch: int
+    incarnations: dict[int, str]
+    """The joiner's group rank to its incarnation."""
+    t_scheduled: float
+    cancelled: str = ""
+    """Why the admission is cancelled (empty while it goes on)."""
+    digests: dict[int, str] = field(default_factory=dict)
+    """The digest each joiner rank acked."""
+    beats: dict[int, tuple[bytes, float]] = field(default_factory=dict)
+    """Each joiner rank's last heartbeat and when it changed (``time.monotonic()``)."""
 
 
 @dataclass
@@ -137,6 +170,13 @@ class Coordinator:
         self._ranks: dict[Rank, _Member] = {}
         self._registered: dict[Rank, Hello] = {}
         self._pending: _Pending | None = None
+        self.admission: Admission | None = None
+        self._floor = 0
+        """The oldest epoch a member may still be in (older than ``epoch`` during an
+        admission: members step in E while ``epoch/<E+1>`` says "admit")."""
+        self._connected: dict[Rank, str] = {}
+        """Open liveness connections (rank to incarnation), joiners' included."""
+        self._progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self._ignored: set[tuple[str, str]] = set()
         self._costs: collections.deque[float] = collections.deque(maxlen=100_000)
         store.set(keys.coord, encode_text(CoordRecord(generation, os.getpid(), self.liveness.port)))
@@ -165,6 +205,8 @@ class Coordinator:
             self._register_joiners()
             if self._pending is not None:
                 self._collect_acks()
+            elif self.admission is not None:
+                self._check_admission()
         self._costs.append(time.perf_counter() - t0)
 
     def tick_costs_s(self) -> list[float]:
@@ -178,6 +220,10 @@ class Coordinator:
 
     def _on_liveness(self, event: Hello | Gone) -> None:
         rank = (event.replica, event.group_rank)
+        if isinstance(event, Hello):
+            self._connected[rank] = event.inc
+        elif self._connected.get(rank) == event.inc:
+            del self._connected[rank]
         if isinstance(event, Hello):
             if self.epoch < 0 and event.replica < self.replicas and event.group_rank < self.nproc:
                 self._registered[rank] = event
@@ -195,6 +241,14 @@ class Coordinator:
         if joined is not None and joined.inc == event.inc:
             _log.info("joiner r%dg%d disconnected; registration dropped", *rank)
             del self.joiners[event.replica]
+        adm = self.admission
+        if (
+            adm is not None
+            and adm.joiner == event.replica
+            and adm.incarnations.get(event.group_rank) == event.inc
+            and not adm.cancelled
+        ):
+            adm.cancelled = f"joiner r{rank[0]}g{rank[1]} liveness EOF (pid {event.pid})"
 
     def _start(self) -> None:
         now = time.monotonic()
@@ -232,10 +286,13 @@ class Coordinator:
             except ValueError as exc:
                 self._ignore(key, str(exc))
                 continue
-            if hb.inc != member.inc or hb.epoch < self.epoch - 1:
+            if hb.inc != member.inc or hb.epoch < min(self._floor, self.epoch - 1):
                 self._ignore(key, f"incarnation {hb.inc} at epoch {hb.epoch} is not a member")
                 continue
             member.raw, member.seen, member.committed = raw, now, hb.committed
+        newest = max((m.committed for m in self._ranks.values()), default=0)
+        if not self._progress or self._progress[-1][1] != newest:
+            self._progress.append((now, newest))
         for rank in ranks:
             member = self._ranks[rank]
             silent = now - member.seen
@@ -245,12 +302,18 @@ class Coordinator:
                 )
                 self._begin(member.dead)
 
+    def _live_epochs(self) -> range:
+        """The epochs whose ``fail/`` and ``ack/`` keys count now (two during an admission)."""
+        return range(min(self._floor, self.epoch), self.epoch + 1)
+
     def _check_failure_key(self) -> None:
         if self._pending is not None:
             return
-        key = self.keys.failure(self.epoch)
-        if not self.store.check([key]):
+        keys = [self.keys.failure(e) for e in self._live_epochs()]
+        found = [k for k in keys if self.store.check([k])]
+        if not found:
             return
+        key = found[-1]
         try:
             failure = decode(Failure, self.store.get(key), key=key)
         except ValueError as exc:
@@ -260,7 +323,7 @@ class Coordinator:
         if failure.by != "coordinator" and failure.inc not in incs:
             self._ignore(key, f"written by {failure.by} incarnation {failure.inc!r}, not a member")
             return
-        self._begin(f"fail/{self.epoch} by {failure.by}: {failure.reason}")
+        self._begin(f"{key.removeprefix(self.keys.root)} by {failure.by}: {failure.reason}")
         if failure.reason == "leave" and self._pending is not None:
             self._pending.leave = True
 
@@ -275,7 +338,8 @@ class Coordinator:
             causes=[cause],
         )
         flag = encode_text(Failure(by="coordinator", reason=cause, t=time.time()))
-        self.store.compare_set(self.keys.failure(self.epoch), "", flag)
+        for epoch in self._live_epochs():
+            self.store.compare_set(self.keys.failure(epoch), "", flag)
 
     # -- agreement -----------------------------------------------------------------------
 
@@ -287,8 +351,8 @@ class Coordinator:
         for rank, member in self._ranks.items():
             if rank in pending.acks or member.dead:
                 continue
-            key = self.keys.ack(self.epoch, *rank)
-            if self.store.check([key]):
+            key = self._ack_key(rank)
+            if key is not None:
                 try:
                     ack = decode(Ack, self.store.get(key), key=key)
                 except ValueError as exc:
@@ -304,6 +368,14 @@ class Coordinator:
             return
         self._decide(pending)
 
+    def _ack_key(self, rank: Rank) -> str | None:
+        """The newest ``ack/<e>/<r>/<g>`` of the live epochs that exists, if any."""
+        for epoch in reversed(self._live_epochs()):
+            key = self.keys.ack(epoch, *rank)
+            if self.store.check([key]):
+                return key
+        return None
+
     def _decide(self, pending: _Pending) -> None:
         survivors = tuple(
             r for r in self.members if all((r, g) in pending.acks for g in range(self.nproc))
@@ -314,6 +386,15 @@ class Coordinator:
         )
         cause = "; ".join(pending.causes)
         reason = "leave" if pending.leave else "lost"
+        adm = self.admission
+        if adm is not None:
+            if survivors == self.members:
+                reason = "admission cancelled"
+            first = f"{adm.cancelled}; " if adm.cancelled else ""
+            cause = (
+                f"{first}{cause}; admission of replica {adm.joiner} (heal at step {adm.step}) ended"
+            )
+            self._end_admission()
         if len(survivors) < self.config.min_replicas:
             cause = (
                 f"{len(survivors)} replica(s) {list(survivors)} left of {self.replicas}, "
@@ -334,11 +415,18 @@ class Coordinator:
             )
         )
 
-    def _publish(self, record: EpochRecord) -> None:
+    def _end_admission(self) -> None:
+        """Forget the admission; a joiner still registered is scheduled again later."""
+        adm, self.admission = self.admission, None
+        if adm is not None and adm.joiner in self.joiners:
+            self.joiners[adm.joiner].scheduled = False
+
+    def _publish(self, record: EpochRecord, *, floor: int | None = None) -> None:
         # The record first, then the number: a worker that sees ``epoch`` can read the record.
         self.store.set(self.keys.epoch_record(record.epoch), encode_text(record))
         self.store.set(self.keys.epoch, str(record.epoch))
         self.epoch, self.members = record.epoch, record.members
+        self._floor = record.epoch if floor is None else floor
         now = time.monotonic()
         self._ranks = {
             rank: _Member(inc=m.inc, pid=m.pid, seen=now, raw=m.raw, committed=m.committed)
@@ -386,26 +474,144 @@ class Coordinator:
                 except ValueError as exc:
                     self._ignore(key, str(exc))
                     continue
+                if self._connected.get((r, g)) != join.inc:
+                    continue  # a dead incarnation's record: its restart writes a new one
                 joiner = self.joiners.setdefault(r, Joiner(r, registered_at=time.time()))
                 if joiner.ranks.get(g) != join:
                     joiner.ranks[g] = join
                     _log.info("replica %d rank %d registered as joining (pid %d)", r, g, join.pid)
             joiner_ = self.joiners.get(r)
-            if joiner_ is not None and len(joiner_.ranks) == self.nproc and not joiner_.scheduled:
+            if (
+                joiner_ is not None
+                and len(joiner_.ranks) == self.nproc
+                and not joiner_.scheduled
+                and self._pending is None
+                and self.admission is None
+            ):
                 joiner_.scheduled = True
                 self.schedule_admission(joiner_)
 
-    def schedule_admission(self, joiner: Joiner) -> None:
-        """All N ranks of ``joiner`` registered: schedule its heal and admission.
+    def heal_step(self) -> int:
+        """h for an admission scheduled now: the newest committed step plus a margin.
 
-        The seam of the heal (docs/live-membership.md §6.2): it will write ``epoch/<E+1>``
-        with ``reason="admit"`` and ``heal={joiner, donor, step}``. Not built yet: the joiner
-        stays registered and waits (bounded by its ``join_timeout_s``).
+        The margin is 2 steps (one to read the record from the heartbeat cache, one in
+        flight) plus the steps the members make, at the commit rate the heartbeats showed
+        over the last seconds, in 4 heartbeat periods: the coordinator's view of ``committed``
+        and the members' view of the record each lag by up to a heartbeat period (x2 for
+        slack). Steps faster than the heartbeat would otherwise pass h before the record
+        arrives.
         """
-        _log.info(
-            "replica %d is ready to join (all %d ranks registered); admission is not built yet",
-            joiner.replica,
-            self.nproc,
+        newest = max((m.committed for m in self._ranks.values() if not m.dead), default=0)
+        rate = 0.0
+        if len(self._progress) >= 2:
+            (t0, c0), (t1, c1) = self._progress[0], self._progress[-1]
+            if t1 > t0:
+                rate = (c1 - c0) / (t1 - t0)
+        return newest + 2 + math.ceil(rate * 4 * self.config.heartbeat_s)
+
+    def schedule_admission(self, joiner: Joiner) -> None:
+        """All N ranks of ``joiner`` registered: schedule its heal (docs/live-membership.md §6.2).
+
+        Writes ``epoch/<E+1>``: members unchanged, ``reason="admit"``, ``heal={joiner,
+        donor (the lowest member id), step h}``, and the joiner's incarnations beside the
+        members' (the joiner is named, not admitted).
+        """
+        donor = min(self.members)
+        step = self.heal_step()
+        incs = {g: j.inc for g, j in joiner.ranks.items()}
+        base = self.epoch
+        t = time.time()
+        record = EpochRecord(
+            epoch=base + 1,
+            members=self.members,
+            reason="admit",
+            cause=f"replica {joiner.replica} healed from replica {donor} at step {step}",
+            resume_step=step,
+            t_detect=t,
+            t_publish=t,
+            heal={"joiner": joiner.replica, "donor": donor, "step": step},
+            incarnations={
+                **self._incarnations(self.members),
+                **{f"{joiner.replica}/{g}": inc for g, inc in sorted(incs.items())},
+            },
+        )
+        self.admission = Admission(
+            joiner=joiner.replica,
+            donor=donor,
+            step=step,
+            base_epoch=base,
+            admit_epoch=base + 1,
+            incarnations=incs,
+            t_scheduled=time.monotonic(),
+        )
+        self._publish(record, floor=base)
+
+    def _check_admission(self) -> None:
+        adm = self.admission
+        assert adm is not None
+        now = time.monotonic()
+        joining = [(adm.joiner, g) for g in range(self.nproc)]
+        if not adm.cancelled:  # the joiner's lease (a SIGSTOPped joiner cancels)
+            raws = self.store.multi_get([self.keys.heartbeat(*r) for r in joining])
+            for (r, g), raw in zip(joining, raws, strict=True):
+                last = adm.beats.get(g)
+                if last is None or last[0] != raw:
+                    adm.beats[g] = (raw, now)
+                elif now - last[1] > self.config.lease_s:
+                    adm.cancelled = (
+                        f"joiner r{r}g{g} lease expired (no heartbeat for {now - last[1]:.2f} s)"
+                    )
+        for r, g in joining:
+            if adm.cancelled or g in adm.digests:
+                continue
+            key = self.keys.ack(adm.admit_epoch, r, g)
+            if not self.store.check([key]):
+                continue
+            try:
+                ack = decode(Ack, self.store.get(key), key=key)
+            except ValueError as exc:
+                adm.cancelled = f"joiner r{r}g{g}: {exc}"
+                continue
+            if ack.inc != adm.incarnations[g]:
+                self._ignore(key, f"incarnation {ack.inc!r} is not the joiner's")
+            elif ack.error or not ack.digest:
+                adm.cancelled = f"joiner r{r}g{g}: heal failed: {ack.error or 'no digest'}"
+            else:
+                adm.digests[g] = ack.digest
+        if any(m.committed < adm.step for m in self._ranks.values()):
+            return  # members are still stepping towards h (in epoch E)
+        if adm.cancelled:
+            self._conclude(adm, self.members, "admission cancelled", adm.cancelled)
+        elif len(adm.digests) == self.nproc:
+            members = tuple(sorted((*self.members, adm.joiner)))
+            digests = ", ".join(f"g{g}={d}" for g, d in sorted(adm.digests.items()))
+            cause = f"replica {adm.joiner} healed from replica {adm.donor} at step {adm.step}"
+            self._conclude(adm, members, "admitted", f"{cause} ({digests})")
+
+    def _conclude(self, adm: Admission, members: tuple[int, ...], reason: str, cause: str) -> None:
+        joiner = self.joiners.get(adm.joiner)
+        if reason == "admitted":
+            assert joiner is not None
+            for g, j in joiner.ranks.items():
+                self._ranks[(adm.joiner, g)] = _Member(
+                    inc=j.inc, pid=j.pid, seen=time.monotonic(), committed=adm.step
+                )
+            del self.joiners[adm.joiner]
+            self.admission = None
+        else:
+            self._end_admission()
+        t = time.time()
+        self._publish(
+            EpochRecord(
+                epoch=self.epoch + 1,
+                members=members,
+                reason=reason,
+                cause=cause,
+                resume_step=adm.step,
+                t_detect=t,
+                t_publish=t,
+                incarnations=self._incarnations(members),
+            )
         )
 
     def _ignore(self, key: str, why: str) -> None:

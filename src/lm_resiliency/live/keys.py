@@ -112,7 +112,8 @@ class EpochRecord:
     members: tuple[int, ...]
     """Replica ids, sorted. Empty: below ``min_replicas``, every worker falls back."""
     reason: str
-    """``"start"``, ``"lost"``, ``"leave"``, ``"admit"``, ``"admission cancelled"``,
+    """``"start"``, ``"lost"``, ``"leave"``, ``"admit"`` (a heal is scheduled, members
+    unchanged), ``"admitted"`` (the healed joiner is a member), ``"admission cancelled"``,
     ``"below min_replicas"``."""
     cause: str = ""
     resume_step: int = 0
@@ -124,7 +125,8 @@ class EpochRecord:
     """``{"joiner": r, "donor": d, "step": h}`` for an admission."""
     incarnations: dict[str, str] = field(default_factory=dict)
     """``"<replica>/<group rank>"`` of every member rank to the incarnation admitted
-    (fencing: a rank whose incarnation is not here is not a member)."""
+    (fencing: a rank whose incarnation is not here is not a member). An ``"admit"`` record
+    also names the joiner's ranks (they are not members yet: :meth:`admits` is False)."""
 
     @property
     def effective_step(self) -> int:
@@ -133,6 +135,15 @@ class EpochRecord:
     def admits(self, replica: int, group_rank: int, inc: str) -> bool:
         """Whether incarnation ``inc`` of rank ``group_rank`` of ``replica`` is a member."""
         return replica in self.members and self.incarnations.get(f"{replica}/{group_rank}") == inc
+
+    def heals(self, replica: int, group_rank: int, inc: str) -> bool:
+        """Whether this is an ``"admit"`` record scheduling the heal of incarnation ``inc``."""
+        return (
+            self.reason == "admit"
+            and self.heal is not None
+            and self.heal.get("joiner") == replica
+            and self.incarnations.get(f"{replica}/{group_rank}") == inc
+        )
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,10 @@ class Ack:
     """The step whose pre-state the shadow holds."""
     in_flight: int | None = None
     pid: int = 0
+    digest: str = ""
+    """A joiner's ack of a heal: the digest of the state it loaded (``live.heal.state_digest``)."""
+    error: str = ""
+    """A joiner's ack of a heal that failed: why (the coordinator cancels the admission)."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ requests, so a shared client would stall behind another thread's request):
 2. watches the coordinator: ``coord/beat`` unchanged for ``coordinator_timeout_s``, an EOF on
    the liveness socket, or a store error sets the *lost* flag;
 3. caches ``fail/<E>`` (so :meth:`Lease.failed` costs no round trip once it is seen);
-4. reads ``epoch``: a newer epoch that does not admit this incarnation sets the *evicted* flag.
+4. reads ``epoch``: a newer epoch that does not admit this incarnation sets the *evicted* flag;
+   a newer ``"admit"`` epoch (a heal scheduled, docs/live-membership.md §6.2) is cached for
+   :meth:`Lease.admission`, so members learn of it without a per-step request.
 
 The flags are read by the caller's thread (:class:`~lm_resiliency.live.membership.Membership`),
 which raises them at its next call; the thread never raises into anyone.
@@ -87,6 +89,7 @@ class Lease:
         self._failed: str | None = None
         self._lost: str | None = None
         self._evicted: EpochRecord | None = None
+        self._admission: EpochRecord | None = None
         self._error: BaseException | None = None
         self._beat_since: float | None = None
         self._stop = threading.Event()
@@ -114,6 +117,10 @@ class Lease:
     def set_epoch(self, epoch: int, *, joining: bool = False) -> None:
         with self._lock:
             self._epoch, self._joining, self._failed = epoch, joining, None
+            if self._evicted is not None and self._evicted.epoch <= epoch:
+                # Seen from an older epoch (a joiner's first beats, before it registered as
+                # joining, see that epoch 0 does not admit it): the caller is past it now.
+                self._evicted = None
 
     def set_committed(self, step: int) -> None:
         with self._lock:
@@ -132,6 +139,12 @@ class Lease:
         with self._lock:
             if epoch == self._epoch and self._failed is None:
                 self._failed = cause
+
+    def admission(self) -> EpochRecord | None:
+        """The cached ``"admit"`` record of the epoch after this rank's, if one was seen."""
+        with self._lock:
+            adm = self._admission
+            return adm if adm is not None and adm.epoch == self._epoch + 1 else None
 
     def flags(self) -> tuple[str | None, EpochRecord | None, BaseException | None]:
         """(lost, evicted, error): what the caller raises at its next call."""
@@ -203,4 +216,8 @@ class Lease:
                 with self._lock:
                     if self._epoch == epoch and self._evicted is None:
                         self._evicted = record
+            elif record.reason == "admit":
+                with self._lock:
+                    if self._epoch == epoch:
+                        self._admission = record
         return last_beat, last_change

@@ -11,8 +11,11 @@ Call order (every rank of every replica group, on its training thread)::
 
 Registration writes ``hb/<r>/<g>`` and opens the liveness socket (a fresh uuid4 incarnation
 per process); the coordinator publishes epoch 0 once all R x N ranks have registered. A
-process that starts after the run began registers as a joiner (``join/<r>/<g>``; the
-admission is the heal's, docs/live-membership.md §6).
+process that starts after the run began registers as a joiner (``join/<r>/<g>``) and is
+admitted through a heal (:mod:`lm_resiliency.live.heal`, docs/live-membership.md §6):
+``await_admission``, the receive, ``ack_heal``, ``await_admitted``. Members learn of an
+admission from the heartbeat cache (``admission()``), ``enter_admission`` at the boundary
+after its step and ``await_outcome``.
 
 Every call raises what the background thread found since the last one: ``CoordinatorLost``
 (``coord/beat`` silent for ``coordinator_timeout_s``, liveness EOF, a store error),
@@ -282,18 +285,26 @@ class Membership:
         self._ask(lambda s: s.set(ack_key, encode_text(ack)))
         if self.failed() is None:  # reforming starts a change if nobody flagged one
             self.report_failure("reform")
-        key = self._keys.epoch_record(epoch + 1)
+        target = epoch + 1
         deadline = time.monotonic() + self.config.reform_timeout_s
-        while not self._ask(lambda s: s.check([key])):
-            if time.monotonic() > deadline:
-                raise CoordinatorLost(
-                    f"no membership epoch {epoch + 1} from the live coordinator {self._address} "
-                    f"within reform_timeout_s={self.config.reform_timeout_s:g}; falling back to "
-                    "whole-job restart with memory recovery"
-                )
-            time.sleep(self.config.poll_slice_s)
-            self._raise_pending(evicted=False)
-        record = decode(EpochRecord, self._ask(lambda s: s.get(key)), key=key)
+        while True:
+            key = self._keys.epoch_record(target)
+            while not self._ask(lambda s, key=key: s.check([key])):  # type: ignore[misc]
+                if time.monotonic() > deadline:
+                    raise CoordinatorLost(
+                        f"no membership epoch {target} from the live coordinator "
+                        f"{self._address} within reform_timeout_s="
+                        f"{self.config.reform_timeout_s:g}; falling back to whole-job restart "
+                        "with memory recovery"
+                    )
+                time.sleep(self.config.poll_slice_s)
+                self._raise_pending(evicted=False)
+            record = decode(EpochRecord, self._get(key), key=key)
+            if record.reason != "admit":
+                break
+            # A heal was scheduled while this rank was still in epoch ``epoch`` (stepping
+            # towards h): the change that answers this failure is the epoch after it.
+            target += 1
         self._adopt(record)
         return record
 
@@ -315,6 +326,110 @@ class Membership:
         self._ask(lambda s: s.set(key, encode_text(record)))
         self.joining = True
         self._running_lease().set_epoch(self._epoch, joining=True)
+
+    # -- admission (docs/live-membership.md §6; live/heal.py drives these) -------------------
+
+    def admission(self) -> EpochRecord | None:
+        """The ``"admit"`` record of the next epoch if the heartbeat thread has seen one.
+
+        Cheap (a cached field, no request): members read it at every step boundary and keep
+        stepping until they committed its ``heal["step"]``.
+        """
+        return self._running_lease().admission()
+
+    def enter_admission(self, record: EpochRecord) -> None:
+        """A member at the boundary after h adopts the ``"admit"`` epoch (members unchanged)."""
+        self._raise_pending()
+        if (
+            record.reason != "admit"
+            or record.epoch != self._epoch + 1
+            or not record.admits(self._replica, self._group_rank, self.incarnation)
+        ):
+            raise ValueError(
+                f"epoch {record.epoch} ({record.reason!r}) is not an admission following epoch "
+                f"{self._epoch} for r{self._replica}g{self._group_rank}"
+            )
+        self._epoch = record.epoch
+        self._running_lease().set_epoch(record.epoch)
+
+    def await_outcome(self) -> EpochRecord:
+        """A member in an ``"admit"`` epoch: wait for the next epoch and adopt it.
+
+        That is the joiner admitted (``"admitted"``), the admission cancelled, or, when this
+        epoch failed meanwhile (the donor died), the answer to this rank's :meth:`reform`.
+        The coordinator decides every case (the donor's send, the joiner's ack and every
+        rank's liveness are bounded); ``join_timeout_s`` is the backstop.
+        """
+        return self._await_next(self.config.join_timeout_s, reform=True)
+
+    def await_admission(self) -> EpochRecord:
+        """A joiner: wait (bounded by ``join_timeout_s``) for an ``"admit"`` epoch naming it."""
+        self._raise_pending(evicted=False)
+        keys = self._keys
+        deadline = time.monotonic() + self.config.join_timeout_s
+        seen = -1
+        while True:
+            current = int(self._ask(lambda s: s.get(keys.epoch)))
+            if current != seen:
+                seen = current
+                key = keys.epoch_record(current)
+                record = decode(EpochRecord, self._get(key), key=key)
+                if record.heals(self._replica, self._group_rank, self.incarnation):
+                    self._epoch, self._members = record.epoch, record.members
+                    self._running_lease().set_epoch(record.epoch, joining=True)
+                    return record
+            if time.monotonic() > deadline:
+                raise CoordinatorLost(
+                    f"replica {self._replica} rank {self._group_rank} was not scheduled for "
+                    f"admission by the live coordinator {self._address} within join_timeout_s="
+                    f"{self.config.join_timeout_s:g} (epoch {seen}); falling back to whole-job "
+                    "restart with memory recovery"
+                )
+            time.sleep(self.config.poll_slice_s)
+            self._raise_pending(evicted=False)
+
+    def ack_heal(self, record: EpochRecord, *, digest: str = "", error: str = "") -> None:
+        """A joiner: ack the heal of ``record`` with the digest of what it loaded (or why not)."""
+        assert record.heal is not None
+        ack = Ack(inc=self.incarnation, committed=record.heal["step"], pid=os.getpid(),
+                  digest=digest, error=error)  # fmt: skip
+        key = self._keys.ack(record.epoch, self._replica, self._group_rank)
+        self._ask(lambda s: s.set(key, encode_text(ack)))
+
+    def await_admitted(self, record: EpochRecord) -> EpochRecord | None:
+        """A joiner that acked ``record``'s heal: the next epoch if it admits it, else None.
+
+        None means the admission was cancelled or the donor was lost; the joiner stays
+        registered and waits for the next admission (:meth:`await_admission`).
+        """
+        if self._epoch != record.epoch:
+            raise ValueError(f"this joiner is in epoch {self._epoch}, not {record.epoch}")
+        nxt = self._await_next(self.config.join_timeout_s, reform=False)
+        return nxt if nxt.admits(self._replica, self._group_rank, self.incarnation) else None
+
+    def _await_next(self, timeout_s: float, *, reform: bool) -> EpochRecord:
+        key = self._keys.epoch_record(self._epoch + 1)
+        deadline = time.monotonic() + timeout_s
+        while not self._ask(lambda s: s.check([key])):
+            if reform and self.failed() is not None:
+                return self.reform(Ack(inc="", committed=self.committed))
+            if time.monotonic() > deadline:
+                raise CoordinatorLost(
+                    f"no membership epoch {self._epoch + 1} from the live coordinator "
+                    f"{self._address} within {timeout_s:g} s of an admission; falling back to "
+                    "whole-job restart with memory recovery"
+                )
+            time.sleep(self.config.poll_slice_s)
+            self._raise_pending(evicted=False)
+        record = decode(EpochRecord, self._ask(lambda s: s.get(key)), key=key)
+        if self.joining:
+            if not record.admits(self._replica, self._group_rank, self.incarnation):
+                self._epoch, self._members = record.epoch, record.members
+                self._running_lease().set_epoch(record.epoch, joining=True)
+                return record
+            self.joining = False
+        self._adopt(record)
+        return record
 
     def close(self) -> None:
         """Stop the heartbeat thread and close the liveness socket (idempotent)."""
@@ -423,6 +538,9 @@ class Membership:
             )
         if evicted and record is not None:
             self._adopt(record)  # raises Evicted or BelowMinReplicas
+
+    def _get(self, key: str) -> bytes:
+        return self._ask(lambda s: s.get(key))
 
     def _ask(self, request: Callable[[dist.Store], _T]) -> _T:
         """Run one request on this thread's client; a store error means the coordinator is

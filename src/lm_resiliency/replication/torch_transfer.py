@@ -151,17 +151,26 @@ class TorchTransfer:
                 crc_chunk_bytes=self._limits.chunk_bytes,
             )
 
-    def recv(self, key: TransferKey) -> Received:
+    def recv(
+        self,
+        key: TransferKey,
+        *,
+        on_chunk: Callable[[int], None] | None = None,
+        into: torch.Tensor | None = None,
+    ) -> Received:
         """Receive the state ``key`` names (on rank ``key.dst``, while ``key.src`` sends).
 
         Refuses a transfer whose key differs from ``key`` before any byte; checks
         every chunk's CRC-32C. Returns the arena with its header and layout.
         Raises ``ReplicationError`` (transport, timeout, key mismatch) or
         ``IntegrityError`` (a chunk failed its checksum; its index is named).
+        ``on_chunk(nbytes)`` is called after each chunk with the bytes received so far;
+        ``into`` (a flat uint8 CPU tensor of at least ``key.total_bytes``) is received
+        into instead of a fresh arena.
         """
         check_endpoint(self.rank, key, key.dst, "recv", "send")
         with self._pair(key) as pair:
-            return recv_checkpoint(pair, key, owner_rank=key.dst)
+            return recv_checkpoint(pair, key, owner_rank=key.dst, on_chunk=on_chunk, into=into)
 
     def _pair(self, key: TransferKey) -> _Pair:
         prefix = f"{self._namespace}/{self.run_id}/{key.name}/step-{key.step}"

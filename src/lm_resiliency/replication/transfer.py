@@ -273,8 +273,20 @@ class _ReadAhead:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def recv_checkpoint(channel: TransferChannel, key: TransferKey, *, owner_rank: int) -> Received:
+def recv_checkpoint(
+    channel: TransferChannel,
+    key: TransferKey,
+    *,
+    owner_rank: int,
+    on_chunk: Callable[[int], None] | None = None,
+    into: torch.Tensor | None = None,
+) -> Received:
     """Receive the checkpoint named by ``key`` from ``key.src`` into a fresh arena.
+
+    ``on_chunk(nbytes)``, if given, is called after each chunk arrived and was
+    checksummed, with the bytes received so far (progress, and a test's kill point).
+    ``into``: a flat uint8 CPU tensor of at least ``key.total_bytes`` to receive into
+    (e.g. one whose pages are already mapped), instead of a fresh one.
 
     Refuses (before any bytes) a header whose transfer key differs from ``key``;
     checksums every chunk as it arrives and compares with the sender's trailer.
@@ -304,13 +316,25 @@ def recv_checkpoint(channel: TransferChannel, key: TransferKey, *, owner_rank: i
             )
         running.append(ChunkCrc(size, key.total_bytes))
 
+    got = [0]
+
+    def sink(view: torch.Tensor) -> None:
+        running[0].update(view.numpy())
+        if on_chunk is not None:
+            got[0] += view.numel()
+            on_chunk(got[0])
+
     received = channel.recv(
         key.src,
         step=key.step,
         expect_owner=owner_rank,
-        recv_alloc=lambda h: torch.empty(int(h["total_bytes"]), dtype=torch.uint8),
+        recv_alloc=lambda h: (
+            torch.empty(int(h["total_bytes"]), dtype=torch.uint8)
+            if into is None
+            else into[: int(h["total_bytes"])]
+        ),
         validate=validate,
-        sink=lambda view: running[0].update(view.numpy()),
+        sink=sink,
     )
     actual = running[0].digests()
     bad = mismatched(actual, unpack_crcs(received.trailer))
