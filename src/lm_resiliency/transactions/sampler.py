@@ -66,9 +66,10 @@ class ShardedSampler(Sampler[int]):
             num_replicas = dist.get_world_size(group) if num_replicas is None else num_replicas
             rank = dist.get_rank(group) if rank is None else rank
         if num_replicas < 1 or not 0 <= rank < num_replicas:
+            valid = f"0..{num_replicas - 1}" if num_replicas >= 1 else "none (num_replicas < 1)"
             raise ConfigError(
                 f"ShardedSampler(rank={rank}, num_replicas={num_replicas}): rank must be in "
-                f"0..num_replicas-1; use the data-parallel rank and world size"
+                f"{valid}; use the data-parallel rank and world size"
             )
         self.num_replicas = num_replicas
         self.rank = rank
