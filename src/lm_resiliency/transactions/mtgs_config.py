@@ -31,8 +31,9 @@ class MTGSConfig:
 
     vote_in_hook: bool = True
     """Fold each rank's health code into the gradient all-reduce the DDP comm hook already
-    runs: zero extra collectives. ``False`` keeps DDP's built-in all-reduce and adds one
-    explicit vote all-reduce per step (the ``--mtgs-disable-hook`` ablation)."""
+    runs: zero extra collectives. ``False`` registers no comm hook (DDP's built-in all-reduce,
+    or a hook the user registers) and adds one explicit vote all-reduce per step (the
+    ``--mtgs-disable-hook`` ablation)."""
 
     shadow: bool = True
     """Copy the pre-step state (parameters, optimizer, scheduler, scaler) to host memory in

@@ -90,7 +90,8 @@ class MTGS:
 
     Construct on every rank after the DDP model and the optimizer, before the
     first step. MTGS registers :func:`mtgs_comm_hook` on the model unless you
-    registered it yourself and pass its ``hook_state``. ``scaler`` (an AMP
+    registered it yourself and pass its ``hook_state``, or ``vote_in_hook=False``
+    (no hook at all: the model keeps DDP's all-reduce or the hook you register). ``scaler`` (an AMP
     ``GradScaler``) scales the loss and steps the optimizer; its own overflow
     handling then owns non-finite gradients (they skip the update instead of
     aborting the step). ``data_state`` is restored with the RNG before every
