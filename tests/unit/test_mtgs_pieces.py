@@ -122,3 +122,12 @@ def test_the_tracer_refuses_an_unknown_phase_and_writes_chrome_json(tmp_path: Pa
     (event,) = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert event["name"] == "vote" and event["pid"] == 3
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_headroom_is_free_over_total_device_memory() -> None:
+    device = torch.device("cuda", 0)
+    room = headroom(device, limit_bytes=1)  # the CPU limit plays no part on a device
+    _, total = torch.cuda.mem_get_info(device)
+    assert room is not None and room.where == "cuda:0" and room.limit_bytes == total
+    assert 0 < room.fraction <= 1
