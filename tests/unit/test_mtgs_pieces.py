@@ -45,6 +45,9 @@ def test_sampler_shards_partition_the_dataset_and_rewind_a_running_loader() -> N
     other = ShardedSampler(40, rank=1, num_replicas=2, seed=5)
     with pytest.raises(ConfigError, match=r"state has seed=4 but this sampler has seed=5"):
         other.load_state_dict(state)
+    rest = list(batches)
+    assert len(rest) == 3 and sampler.state_dict()["position"] == 20  # the epoch is done
+    assert len(list(DataLoader(list(range(40)), batch_size=4, sampler=sampler))) == 5
     sampler.set_epoch(1)
     assert sampler.shard() != ShardedSampler(40, rank=1, num_replicas=2, seed=4).shard()
 

@@ -107,12 +107,15 @@ class ShardedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         # Reads the position from the sampler at every draw, so load_state_dict()
-        # rewinds an iterator the DataLoader already holds.
+        # rewinds an iterator the DataLoader already holds. A finished epoch stays
+        # finished in the state (a restore does not replay it); iterating it again
+        # without set_epoch() starts it over, as torch's DistributedSampler does.
+        if self.position >= self.num_samples:
+            self.position = 0
         while self.position < self.num_samples:
             index = self._indices[self.position]
             self.position += 1
             yield index
-        self.position = 0  # the next iter() starts the epoch over unless set_epoch moves on
 
     def set_epoch(self, epoch: int, *, validate: bool = True) -> None:
         """Start ``epoch`` (every rank, before iterating it); validates the new shards."""
