@@ -6,6 +6,7 @@ Each launch starts torchrun's elastic agent and two Gloo ranks (a few seconds).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -128,11 +129,98 @@ def test_invalid_combinations_exit_2_with_the_reason() -> None:
     assert "fault nan_grad@5:1 names rank 5 but --nproc=2" in p.stderr
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is not None, reason="transformers is installed"
-)
 def test_distilbert_without_transformers_says_how_to_install_it() -> None:
-    p = _run(sys.executable, "-m", "mtgs.trainer", "--model", "distilbert", timeout_s=60)
+    # transformers is hidden from this one process (sys.modules[name] = None makes both
+    # find_spec and import fail), so the check runs whether or not it is installed.
+    code = (
+        "import sys; sys.modules['transformers'] = None; from mtgs.trainer import main; "
+        "sys.exit(main(['--model', 'distilbert']))"
+    )
+    p = _run(sys.executable, "-c", code, timeout_s=60)
     assert p.returncode == 2
     assert "--model distilbert needs the 'transformers' package" in p.stderr
     assert "pip install 'lm-resiliency[hf]'" in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs the hf extra (transformers)"
+)
+def test_distilbert_trains_and_retries_an_injected_nan_gradient(tmp_path: Path) -> None:
+    p = _run(
+        sys.executable,
+        "-m",
+        "mtgs.trainer",
+        "--model",
+        "distilbert",
+        *("--layers", "1", "--width", "48", "--vocab", "128", "--seq-len", "16"),
+        *("--batch-size", "2", "--steps", "2", "--faults", "nan_grad@1:2"),
+        "--log-dir",
+        str(tmp_path),
+    )
+    assert p.returncode == 0, p.stderr
+    assert "[train] mode=mtgs model=distilbert" in p.stdout
+    assert "[mtgs] step 2/2: attempt 1 aborted (vote phase: rank 1: nonfinite_grad)" in p.stdout
+    assert "[train] committed steps=2 aborts=1 retries=1 rollbacks=0" in p.stdout
+
+
+@pytest.mark.slow
+def test_without_the_shadow_a_vote_abort_retries_but_a_failed_update_ends_the_run(
+    tmp_path: Path,
+) -> None:
+    p = _run(
+        sys.executable,
+        "-m",
+        "mtgs.trainer",
+        *("--steps", "3", "--mtgs-disable-shadow", "--mtgs-trace"),
+        *("--faults", "nan_grad@1:2,optimizer_exception@0:3", "--log-dir", str(tmp_path)),
+    )
+    assert p.returncode == 1
+    assert "[mtgs] step 2/3: attempt 1 aborted (vote phase: rank 1: nonfinite_grad)" in p.stdout
+    for rank in range(2):
+        assert (
+            f"[train] rank {rank} failed: StepAborted: step 3: the update failed (rank 0: "
+            "step_exception) and there is no shadow to roll back (MTGSConfig(shadow=False))"
+        ) in p.stderr
+        # the failed run keeps its trace: step 3's commit is the last event
+        doc = json.loads((tmp_path / f"trace-rank{rank}.json").read_text())
+        last = [e for e in doc["traceEvents"] if e["ph"] == "X"][-1]
+        assert (last["name"], last["args"]["step"]) == ("commit", 3)
+
+
+@pytest.mark.slow
+def test_without_2pc_and_shadow_a_failed_update_cannot_be_repaired(tmp_path: Path) -> None:
+    p = _run(
+        sys.executable,
+        "-m",
+        "mtgs.trainer",
+        *("--steps", "2", "--mtgs-disable-2pc", "--mtgs-disable-shadow"),
+        *("--faults", "optimizer_exception@1:2", "--log-dir", str(tmp_path)),
+    )
+    assert p.returncode == 1
+    assert (
+        "[train] rank 1 failed: StepAborted: step 2: the update failed on rank 1 (step_exception) "
+        "after every rank voted to commit; without two_phase_commit and a shadow this rank "
+        "cannot repair it"
+    ) in p.stderr
+
+
+@pytest.mark.slow
+def test_without_the_hook_a_backward_exception_is_completed_and_retried(tmp_path: Path) -> None:
+    p = _run(
+        sys.executable,
+        "-m",
+        "mtgs.trainer",
+        *("--steps", "3", "--mtgs-disable-hook", "--faults", "backward_exception@1:2"),
+        *("--log-dir", str(tmp_path)),
+    )
+    assert p.returncode == 0, p.stderr
+    assert "[mtgs] step 2/3: attempt 1 aborted (vote phase: rank 1: backward_exception)" in (
+        p.stdout
+    )
+    assert "[train] committed steps=3 aborts=1 retries=1 rollbacks=0" in p.stdout
+    events = (tmp_path / "events-rank1.jsonl").read_text().splitlines()
+    (counts,) = [json.loads(x) for x in events if '"train.collectives"' in x]
+    # no MTGS hook: DDP's own all-reduce reduced the buckets; rank 1 completed its share
+    assert counts["bucket_allreduces"] == 0 and counts["explicit_votes"] == 4
+    assert counts["fallback_allreduces"] > 0

@@ -14,8 +14,12 @@ closes its handle:
 Per phase: the step time, and the time spent inside ``optimizer.step()`` (where the
 package's hooks block the plain loop; the MTGS phase reports its whole step). The
 test-only slowdown knob ``LM_RESILIENCY_BENCH_SLOWDOWN=<scenario>:<factor>`` makes
-that scenario sleep ``factor`` times each step's own duration after it (the test
-of a crossed threshold).
+that scenario sleep ``factor`` times its step time after each timed step (the test
+of a crossed threshold). The sleep is one duration agreed by every rank before the
+timed steps (the slowest rank's median warm-up step): a sleep derived from each
+rank's own last step would feed back, since a rank's step includes its wait for a
+slower peer in the gradient all-reduce, and grow the gap between the ranks by the
+factor at every step until the all-reduce times out.
 """
 
 from __future__ import annotations
@@ -144,17 +148,20 @@ def _phase(
         return spent
 
     try:
+        warmup = []
         for _ in range(interval):  # warm-up: the first capture allocates its slots
+            s0 = time.perf_counter()
             step()
+            warmup.append(time.perf_counter() - s0)
+        pause = factor * _agreed_step_s(warmup) if factor else 0.0
         captures_before = len(handle.stats.per_capture_s()) if handle is not None else 0
         dist.barrier()
         in_step = 0.0
         t0 = time.perf_counter()
         for _ in range(steps):
-            s0 = time.perf_counter()
             in_step += step()
-            if factor:
-                time.sleep(factor * (time.perf_counter() - s0))
+            if pause:
+                time.sleep(pause)
         dist.barrier()
         elapsed = time.perf_counter() - t0
         blocking = handle.stats.per_capture_s()[captures_before:] if handle is not None else []
@@ -171,3 +178,10 @@ def _phase(
         "blocking_per_capture_s": sorted(blocking)[len(blocking) // 2] if blocking else None,
         "captures": len(blocking),
     }
+
+
+def _agreed_step_s(warmup: list[float]) -> float:
+    """The slowest rank's median warm-up step time, the same on every rank (collective)."""
+    median = torch.tensor([sorted(warmup)[len(warmup) // 2]], dtype=torch.float64)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return float(median.item())

@@ -28,6 +28,7 @@ from lm_resiliency.models import GPTConfig, SyntheticTokens, TinyGPT
 from lm_resiliency.models.hf import DistilBertLM
 from lm_resiliency.telemetry import EttrTimer, EventLog, ThroughputMeter
 from lm_resiliency.transactions import MTGS, MTGSConfig, StepResult
+from lm_resiliency.transactions.tracer import Tracer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +65,14 @@ def main(argv: list[str] | None = None) -> int:
 def _model(run: dict[str, Any]) -> nn.Module:
     torch.manual_seed(int(run["seed"]))
     if run["model"] == "distilbert":
-        return DistilBertLM(vocab_size=int(run["vocab"]))
+        width = int(run["width"])
+        return DistilBertLM(
+            vocab_size=int(run["vocab"]),
+            n_layers=int(run["layers"]),
+            dim=width,
+            hidden_dim=4 * width,
+            max_position_embeddings=max(512, int(run["seq_len"])),
+        )
     return TinyGPT(
         GPTConfig(
             vocab_size=int(run["vocab"]),
@@ -126,6 +134,8 @@ def _train(
             two_phase_commit=not run["disable_2pc"],
             force_abort_steps=frozenset(run["force_abort_steps"]),
         )
+        trace = Path(run["log_dir"]) / f"trace-rank{rank}.json"
+        tracer = Tracer(trace, rank=rank) if run.get("trace") else None
         txn = MTGS(
             ddp,
             optimizer,
@@ -135,17 +145,22 @@ def _train(
             faults=faults,
             events=events,
             ettr=ettr,
+            tracer=tracer,
         )
-        for _ in range(steps):
-            result = txn.step(closure)
-            meter.step(data.tokens_per_batch * world if result.committed else 0)
-            aborts += len(result.aborts)
-            retries += result.retries
-            rollbacks += sum(a.phase == "commit" for a in result.aborts)
-            if result.loss is not None:
-                losses.append(float(result.loss))
-            if rank == 0 and result.aborts:
-                print(_describe(result, steps), flush=True)
+        try:
+            for _ in range(steps):
+                result = txn.step(closure)
+                meter.step(data.tokens_per_batch * world if result.committed else 0)
+                aborts += len(result.aborts)
+                retries += result.retries
+                rollbacks += sum(a.phase == "commit" for a in result.aborts)
+                if result.loss is not None:
+                    losses.append(float(result.loss))
+                if rank == 0 and result.aborts:
+                    print(_describe(result, steps), flush=True)
+        finally:
+            if tracer is not None:
+                tracer.close()  # a failed run keeps its trace too
         repairs = txn.local_repairs
         txn.close()
         events.log("train.collectives", **txn.collectives)

@@ -67,8 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="vocabulary size (default 256 for gpt, 30522 for distilbert)",
     )
-    parser.add_argument("--layers", type=int, default=2, help="gpt: transformer blocks")
-    parser.add_argument("--width", type=int, default=128, help="gpt: embedding width")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="transformer blocks (gpt: 2, distilbert: 6)"
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help="embedding width (gpt: 128, distilbert: 768, a multiple of its 12 heads)",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -93,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mtgs-disable-2pc",
         action="store_true",
         help="no commit confirmation after optimizer.step()",
+    )
+    parser.add_argument(
+        "--mtgs-trace",
+        action="store_true",
+        help="write each rank's MTGS phases as Chrome trace JSON (trace-rank<R>.json in "
+        "--log-dir; Perfetto opens it)",
     )
     parser.add_argument(
         "--mtgs-max-retries",
@@ -171,6 +184,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    distilbert = args.model == "distilbert"
+    if args.layers is None:
+        args.layers = 6 if distilbert else 2
+    if args.width is None:
+        args.width = 768 if distilbert else 128
     for name in ("steps", "nproc", "batch_size", "seq_len", "layers", "width", "threads"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -181,6 +199,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         or args.mtgs_disable_hook
         or args.mtgs_disable_shadow
         or args.mtgs_disable_2pc
+        or args.mtgs_trace
     )
     if args.mode == "baseline" and mtgs_flags:
         raise ConfigError("the --mtgs-* options need --mode mtgs (baseline has no transactions)")
@@ -198,8 +217,13 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                 f"fault {f.spec()} is at step {f.step}, outside the run's steps 1..{args.steps}; "
                 f"use a step <= --steps={args.steps} (or raise --steps)"
             )
-    if args.model == "distilbert" and not transformers_available():
+    if distilbert and not transformers_available():
         raise ConfigError(INSTALL_HINT)
+    if distilbert and args.width % 12:
+        raise ConfigError(
+            f"--width={args.width} is not a multiple of DistilBERT's 12 attention heads; "
+            "use e.g. --width 96 (or the default 768)"
+        )
     vocab = args.vocab if args.vocab is not None else (30522 if args.model == "distilbert" else 256)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="mtgs-train-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -219,6 +243,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "disable_hook": args.mtgs_disable_hook,
         "disable_shadow": args.mtgs_disable_shadow,
         "disable_2pc": args.mtgs_disable_2pc,
+        "trace": args.mtgs_trace,
         "faults": schedule.spec(),
         "log_dir": str(log_dir),
         "pg_timeout_s": args.pg_timeout_s,

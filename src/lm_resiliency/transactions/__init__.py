@@ -13,7 +13,9 @@ from lm_resiliency.transactions.hook import MTGSState, mtgs_comm_hook
 from lm_resiliency.transactions.mtgs_config import ExhaustedPolicy, MTGSConfig
 from lm_resiliency.transactions.reasons import AbortReason, describe, reason_names
 from lm_resiliency.transactions.result import AbortRecord, StepResult
+from lm_resiliency.transactions.sampler import ShardedSampler
 from lm_resiliency.transactions.shadow import Shadow
+from lm_resiliency.transactions.tracer import Tracer, merge_traces
 from lm_resiliency.transactions.transaction import MTGS, HealthCheck, Stateful
 
 __all__ = [
@@ -26,9 +28,12 @@ __all__ = [
     "MTGSState",
     "RngState",
     "Shadow",
+    "ShardedSampler",
     "Stateful",
     "StepResult",
+    "Tracer",
     "describe",
+    "merge_traces",
     "mtgs_comm_hook",
     "reason_names",
 ]

@@ -114,12 +114,42 @@ class ForwardProbe:
         self.finished += 1
 
 
+def grad_marks(ddp: DistributedDataParallel) -> dict[int, tuple[int, int]]:
+    """``id(param) -> (id(grad), grad._version)`` before a synchronised backward pass.
+
+    Without a comm hook nothing counts the buckets DDP launched; a bucket is
+    launched once every one of its parameters' gradients was accumulated, which
+    changes the gradient object or its version counter (AccumulateGrad runs just
+    before DDP's readiness hook). Only taken when MTGS registered no hook.
+    """
+    return {
+        id(p): (id(p.grad), p.grad._version) for p in ddp.module.parameters() if p.grad is not None
+    }
+
+
+def _launched(buckets: list[Any], marks: dict[int, tuple[int, int]] | None) -> int:
+    """The leading buckets whose every gradient was accumulated since ``marks`` was taken."""
+    if marks is None:  # the synchronised backward never started
+        return 0
+
+    def ready(p: torch.Tensor) -> bool:
+        g = p.grad
+        return g is not None and marks.get(id(p)) != (id(g), g._version)
+
+    n = 0
+    # DDP's reducer launches buckets strictly in index order, each once it is complete.
+    while n < len(buckets) and all(ready(p) for p in buckets[n].parameters()):
+        n += 1
+    return n
+
+
 def complete_collectives(
     ddp: DistributedDataParallel,
     probe: ForwardProbe,
-    buckets_launched: int,
+    buckets_launched: int | None,
     *,
     forwards: int = 1,
+    grad_marks: dict[int, tuple[int, int]] | None = None,
 ) -> int:
     """Issue the rest of this attempt's collectives on a rank whose step raised.
 
@@ -129,6 +159,9 @@ def complete_collectives(
     rank runs this attempt (one per micro-batch; all but the last under
     ``no_sync()``). Blocks until the zero buckets are reduced (bounded by the
     process group's timeout). Returns the number of bucket all-reduces issued.
+    ``buckets_launched=None`` (no MTGS hook counted them): derived from
+    ``grad_marks`` (:func:`grad_marks` taken before the synchronised backward;
+    ``None``: that backward never started).
     """
     for j in range(probe.finished, forwards):
         if j >= probe.calls:
@@ -144,6 +177,8 @@ def complete_collectives(
         # the next forward to broadcast buffers again.
         ddp.require_forward_param_sync = j == forwards - 1
     buckets = ddp.reducer._get_zeros_like_grad_buckets()
+    if buckets_launched is None:
+        buckets_launched = _launched(buckets, grad_marks)
     futures = [ddp.reducer._run_comm_hook(b) for b in buckets[buckets_launched:]]
     for fut in futures:
         fut.wait()

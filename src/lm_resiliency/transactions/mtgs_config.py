@@ -31,8 +31,9 @@ class MTGSConfig:
 
     vote_in_hook: bool = True
     """Fold each rank's health code into the gradient all-reduce the DDP comm hook already
-    runs: zero extra collectives. ``False`` keeps DDP's built-in all-reduce and adds one
-    explicit vote all-reduce per step (the ``--mtgs-disable-hook`` ablation)."""
+    runs: zero extra collectives. ``False`` registers no comm hook (DDP's built-in all-reduce,
+    or a hook the user registers) and adds one explicit vote all-reduce per step (the
+    ``--mtgs-disable-hook`` ablation)."""
 
     shadow: bool = True
     """Copy the pre-step state (parameters, optimizer, scheduler, scaler) to host memory in
@@ -62,6 +63,17 @@ class MTGSConfig:
     pin_shadow: bool = True
     """Allocate the shadow arena page-locked when CUDA is present (faster device copies)."""
 
+    min_memory_headroom: float = 0.0
+    """The share of memory that must stay free on this rank, checked before the synchronised
+    backward pass: on CUDA free over total device memory, on CPU one minus the process RSS
+    over the cgroup's memory limit (no limit: no check). Below it the rank votes
+    ``LOW_MEMORY`` and the step is retried after the allocator cache is emptied. 0 (the
+    default) disables the check."""
+
+    memory_limit_bytes: int | None = None
+    """The CPU memory limit the RSS is measured against, instead of the cgroup's (a host whose
+    limit is enforced outside the cgroup). ``None``: the cgroup's limit."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "force_abort_steps", _steps(self.force_abort_steps))
         validate(self, _RULES, prefix="MTGSConfig.")
@@ -73,6 +85,12 @@ _RULES = {
     "collective_timeout_s": Rule(
         lambda v: v > 0, "must be a finite number of seconds > 0, e.g. 60", "60"
     ),
+    "min_memory_headroom": Rule(
+        lambda v: 0 <= v < 1,
+        "must be a fraction in [0, 1) (0: no memory check)",
+        "min_memory_headroom=0.05",
+    ),
+    "memory_limit_bytes": at_least(1, "must be a byte count >= 1", "memory_limit_bytes=2**34"),
 }
 
 

@@ -2,8 +2,9 @@
 
 The codes travel inside the gradient all-reduce (one slot per rank, the other
 ranks contribute zero), so every rank decodes the same per-rank reasons. Vote
-codes stay below 2**7 so they are exact even in a bfloat16 gradient bucket
-(8 significant bits); commit-phase codes travel in an int32 tensor of their own.
+codes stay below 2**8 so they are exact even in a bfloat16 gradient bucket
+(8 significant bits: every integer up to 256); commit-phase codes travel in an
+int32 tensor of their own.
 """
 
 from __future__ import annotations
@@ -25,17 +26,19 @@ class AbortReason(enum.IntFlag):
     OUT_OF_MEMORY = 1 << 4
     HEALTH_CHECK = 1 << 5
     FORCED = 1 << 6
+    LOW_MEMORY = 1 << 7
+    """Memory headroom below ``MTGSConfig.min_memory_headroom`` (see ``memory_health``)."""
     # Commit phase (optimizer.step and the post-step checks): an int32 all-reduce.
-    STEP_EXCEPTION = 1 << 7
-    NONFINITE_PARAMS = 1 << 8
-    LATE_FAILURE = 1 << 9
+    STEP_EXCEPTION = 1 << 8
+    NONFINITE_PARAMS = 1 << 9
+    LATE_FAILURE = 1 << 10
     # Vote phase, but decided from the reduced vote vector rather than carried in it: a
     # member's epoch mark differs from this rank's, or a non-member's slot is not empty
     # (live membership, docs/live-membership.md §4.1). Nothing was applied.
-    STALE_EPOCH = 1 << 10
+    STALE_EPOCH = 1 << 11
 
 
-VOTE_REASONS_MAX = 1 << 7
+VOTE_REASONS_MAX = 1 << 8
 """Every vote-phase code a rank carries in a bucket is below this value (exact in bfloat16
 buckets); ``STALE_EPOCH`` is read from the epoch marks, never carried."""
 

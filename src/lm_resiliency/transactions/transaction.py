@@ -55,7 +55,7 @@ from lm_resiliency.errors import (
 from lm_resiliency.faults import FaultInjector
 from lm_resiliency.rng import RngState
 from lm_resiliency.telemetry import EttrTimer, EventLog
-from lm_resiliency.transactions import fallback, health
+from lm_resiliency.transactions import fallback, health, memory_health
 from lm_resiliency.transactions.hook import MTGSState, mtgs_comm_hook
 from lm_resiliency.transactions.mtgs_config import ExhaustedPolicy, MTGSConfig
 from lm_resiliency.transactions.reasons import AbortReason, decode_codes, describe, reason_names
@@ -68,6 +68,7 @@ from lm_resiliency.transactions.reducer import (
 )
 from lm_resiliency.transactions.result import AbortRecord, MembershipChange, StepResult
 from lm_resiliency.transactions.shadow import Shadow
+from lm_resiliency.transactions.tracer import Span, Tracer
 from lm_resiliency.transactions.vote import CollectiveCounter, exchange_codes
 
 HealthCheck = Callable[[torch.Tensor], "bool | torch.Tensor"]
@@ -106,14 +107,17 @@ class MTGS:
 
     Construct on every rank after the DDP model and the optimizer, before the
     first step. MTGS registers :func:`mtgs_comm_hook` on the model unless you
-    registered it yourself and pass its ``hook_state``. ``scaler`` (an AMP
+    registered it yourself and pass its ``hook_state``, or ``vote_in_hook=False``
+    (no hook at all: the model keeps DDP's all-reduce or the hook you register). ``scaler`` (an AMP
     ``GradScaler``) scales the loss and steps the optimizer; its own overflow
     handling then owns non-finite gradients (they skip the update instead of
     aborting the step). ``data_state`` is restored with the RNG before every
     retry, so a closure that pulls its own batch gets the same batch again.
     ``health_check(loss)`` returns ``False`` (or a false boolean tensor, read
     without a host sync) to vote abort. ``committed_steps`` is the number of
-    steps already done (after a restart); step numbers are 1-based.
+    steps already done (after a restart); step numbers are 1-based. ``tracer``
+    (a :class:`~lm_resiliency.transactions.tracer.Tracer`) records one event per
+    phase (shadow, sync, vote, commit, abort, rollback).
 
     ``reducer`` (default: the DDP model's group, today's behaviour) is where the comm hook
     and the commit confirmation reduce (:mod:`lm_resiliency.transactions.reducer`). With a
@@ -144,6 +148,7 @@ class MTGS:
         committed_steps: int = 0,
         reducer: Reducer | None = None,
         max_membership_changes: int | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         if not isinstance(model, DistributedDataParallel):
             raise ConfigError(
@@ -183,6 +188,11 @@ class MTGS:
         self._applied = False
         self._params = [p for p in model.module.parameters() if p.requires_grad]
         self._device = self._params[0].device if self._params else torch.device("cpu")
+        self.tracer = tracer
+        self._shadow_span: Span | None = None
+        self._grad_marks: dict[int, tuple[int, int]] | None = None
+        # vote_in_hook=False registers no comm hook (DDP's own all-reduce, or the user's hook)
+        self._hook_registered = hook_state is not None or self.config.vote_in_hook
         self.hook = self._register_hook(hook_state)
         self.probe = fallback.ForwardProbe(model)
         self.shadow = (
@@ -226,6 +236,7 @@ class MTGS:
         rng = RngState.capture()
         data = copy.deepcopy(self.data_state.state_dict()) if self.data_state else None
         if self.shadow is not None:
+            self._shadow_span = self._trace_start("shadow")
             self.shadow.begin()
         aborts: list[AbortRecord] = []
         changes: list[MembershipChange] = []
@@ -319,6 +330,8 @@ class MTGS:
         """Forward(s), backward(s), vote, commit; returns the loss or raises ``_AbortedError``."""
         self.probe.reset()
         self.hook.begin()
+        self._grad_marks = None
+        sync = self._trace_start("sync")
         self._current_attempt = attempt
         self._applied = False
         code = 0
@@ -354,19 +367,30 @@ class MTGS:
                 self.hook.mark(code)
                 try:
                     n = fallback.complete_collectives(
-                        self.model, self.probe, self.hook.buckets_launched, forwards=micro_batches
+                        self.model,
+                        self.probe,
+                        self.hook.buckets_launched if self._hook_registered else None,
+                        forwards=micro_batches,
+                        grad_marks=self._grad_marks,
                     )
                 except Exception as exc:
                     self._raise_if_comm(exc, step, "completion of a failed rank's all-reduces")
                     raise
                 self.counters.fallback_allreduces += n
 
+        self._trace_end(sync, step, attempt)
+        vote = self._trace_start("vote")
         codes = self._vote(code, step)
+        self._trace_end(vote, step, attempt, abort=bool(codes))
         if codes:
             raise _AbortedError("vote", codes, time.perf_counter_ns())
         # every rank healthy implies this rank ran every micro-batch
         assert len(losses) == micro_batches
-        self._commit(step, late)
+        commit = self._trace_start("commit")
+        try:
+            self._commit(step, late)
+        finally:
+            self._trace_end(commit, step, attempt)
         total = (
             losses[0] if micro_batches == 1 else torch.stack([x.reshape(()) for x in losses]).sum()
         )
@@ -396,6 +420,10 @@ class MTGS:
             code |= AbortReason.HEALTH_CHECK
             self._log_local(exc, step, attempt, "health check")
         if last:
+            code |= self._memory_code(step, attempt)
+            if not self._hook_registered:
+                # No hook counts the buckets: the fallback derives them from the gradients.
+                self._grad_marks = fallback.grad_marks(self.model)
             # Before the synchronised backward: its last bucket carries the vote.
             self.hook.mark(code)
         try:
@@ -459,6 +487,9 @@ class MTGS:
         if self.shadow is not None:
             try:
                 self.shadow.wait()
+                if self._shadow_span is not None:
+                    self._trace_end(self._shadow_span, step, self._current_attempt)
+                    self._shadow_span = None
             except CaptureError as exc:
                 # No rollback point: this rank must not update; it votes abort instead.
                 self._log_local(exc, step, self._current_attempt, "shadow copy")
@@ -514,7 +545,9 @@ class MTGS:
             )
         for _ in range(self.config.max_retries):
             detected = time.perf_counter_ns()
+            span = self._trace_start("rollback")
             self.shadow.restore(buffers=False)  # the forward is not redone: keep its buffers
+            self._trace_end(span, step, self._current_attempt, local_repair=True)
             self.ettr.record(
                 "rollback",
                 step=step,
@@ -548,6 +581,7 @@ class MTGS:
         data: dict[str, Any] | None,
     ) -> AbortRecord:
         """Discard the attempt on this rank; every rank runs this with the same codes."""
+        span = self._trace_start("rollback" if abort.phase == "commit" else "abort")
         self._zero_grad()
         # Every rank resets, whatever the reason: a rank whose backward stopped half-way
         # needs it, and the reset must be symmetric (it schedules one bucket rebuild).
@@ -570,7 +604,10 @@ class MTGS:
         if self.data_state is not None and data is not None:
             self.data_state.load_state_dict(copy.deepcopy(data))
         if (
-            any(c & AbortReason.OUT_OF_MEMORY for c in abort.codes.values())
+            any(
+                c & (AbortReason.OUT_OF_MEMORY | AbortReason.LOW_MEMORY)
+                for c in abort.codes.values()
+            )
             and torch.cuda.is_available()
         ):
             torch.cuda.empty_cache()
@@ -587,6 +624,7 @@ class MTGS:
         self._log(
             f"mtgs.{kind}", step=step, attempt=attempt, reasons=text, ettr_ns=event.duration_ns
         )
+        self._trace_end(span, step, attempt, reasons=text)
         return AbortRecord(
             attempt=attempt,
             phase=abort.phase,
@@ -710,6 +748,13 @@ class MTGS:
                 )
             return hook_state
         state = MTGSState(self.group, carry_vote=carry, reducer=self.reducer)
+        if not carry:
+            if state.live:
+                raise ConfigError(
+                    "live membership reduces the gradients through the MTGS comm hook; "
+                    "MTGSConfig(vote_in_hook=False) registers none: keep vote_in_hook=True"
+                )
+            return state  # counts nothing: DDP's all-reduce (or the user's hook) reduces
         try:
             self.model.register_comm_hook(state, mtgs_comm_hook)
         except RuntimeError as exc:
@@ -795,6 +840,29 @@ class MTGS:
             step_ns=time.perf_counter_ns() - start_ns,
             membership_changes=tuple(changes or ()),
         )
+
+    def _memory_code(self, step: int, attempt: int) -> int:
+        """``LOW_MEMORY`` when this rank's headroom is below ``min_memory_headroom``, else 0."""
+        if self.config.min_memory_headroom <= 0:
+            return 0
+        room = memory_health.headroom(self._device, limit_bytes=self.config.memory_limit_bytes)
+        if room is None or room.fraction >= self.config.min_memory_headroom:
+            return 0
+        self._log(
+            "mtgs.low_memory",
+            step=step,
+            attempt=attempt,
+            headroom=room.describe(),
+            min_headroom=self.config.min_memory_headroom,
+        )
+        return int(AbortReason.LOW_MEMORY)
+
+    def _trace_start(self, phase: str) -> Span | None:
+        return self.tracer.start(phase) if self.tracer is not None else None
+
+    def _trace_end(self, span: Span | None, step: int, attempt: int, **args: Any) -> None:
+        if span is not None and self.tracer is not None:
+            self.tracer.end(span, step=step, attempt=attempt, **args)
 
     def _log(self, event: str, **fields: Any) -> None:
         if self.events is not None:
