@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from lm_resiliency.capture.arena import allocate_arena
+from lm_resiliency.capture.target import Target
 from lm_resiliency.checksums import ChunkCrc, crc_count, mismatched, pack_crcs, unpack_crcs
 from lm_resiliency.errors import IntegrityError, ReplicationError
 from lm_resiliency.knobs import CRC_CHUNK_BYTES, READ_AHEAD_CHUNKS
@@ -187,19 +188,29 @@ class _ReadAhead:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def recv_checkpoint(channel: ReplicationChannel, key: TransferKey, *, owner_rank: int) -> Received:
+def recv_checkpoint(
+    channel: ReplicationChannel,
+    key: TransferKey,
+    *,
+    owner_rank: int,
+    into: Target | None = None,
+) -> Received:
     """Receive the checkpoint named by ``key`` from ``key.src`` into a fresh arena.
 
+    ``into``: live tensors to receive into instead, used when their layout is the
+    key's (``Received.target`` then says so; otherwise a fresh arena is filled).
     Refuses (before any bytes) a header whose transfer key differs from ``key``;
     checksums every chunk as it arrives and compares with the sender's trailer.
     Raises ``ReplicationError`` (transport or key mismatch) or ``IntegrityError``
-    (a chunk's checksum failed; its index is named).
+    (a chunk's checksum failed; its index is named; the bytes received into
+    ``into`` are then garbage).
     """
     if key.dst != channel.rank:
         raise ValueError(
             f"transfer {key.name!r} is to rank {key.dst}, not this rank {channel.rank}"
         )
     running: list[ChunkCrc] = []
+    target = into if into is not None and into.layout.digest == key.layout_digest else None
 
     def validate(header: dict[str, Any]) -> None:
         got = header.get("transfer")
@@ -219,7 +230,9 @@ def recv_checkpoint(channel: ReplicationChannel, key: TransferKey, *, owner_rank
         key.src,
         step=key.step,
         expect_owner=owner_rank,
-        recv_alloc=lambda h: torch.empty(int(h["total_bytes"]), dtype=torch.uint8),
+        recv_alloc=lambda h: (
+            target if target is not None else torch.empty(int(h["total_bytes"]), dtype=torch.uint8)
+        ),
         validate=validate,
         sink=lambda view: running[0].update(view.numpy()),
     )
