@@ -142,7 +142,7 @@ def stream(
     chunks = _chunks(total_bytes, chunk_bytes)
     pending: deque[tuple[Any, int, int, torch.Tensor, bool]] = deque()
     target = arena if isinstance(arena, Target) else None
-    ring: list[torch.Tensor] = []
+    ring: dict[int, torch.Tensor] = {}
     done = 0
 
     def retire() -> None:
@@ -165,10 +165,12 @@ def stream(
         direct = target.piece(offset, nbytes)
         if direct is not None:
             return direct, False
-        if not ring:
-            size = min(chunk_bytes, total_bytes)
-            ring.extend(allocate_arena(size, pin=False) for _ in range(limits.max_in_flight))
-        return ring[index % len(ring)][:nbytes], True
+        # Buffer ``index % max_in_flight`` held chunk ``index - max_in_flight`` at most,
+        # retired (copied into place) before this chunk is posted.
+        slot = index % limits.max_in_flight
+        if slot not in ring:
+            ring[slot] = allocate_arena(min(chunk_bytes, total_bytes), pin=False)
+        return ring[slot][:nbytes], True
 
     try:
         for index, (offset, nbytes) in enumerate(chunks):
