@@ -38,7 +38,8 @@ Also runs the demo's faulty torchrun job once (4 workers) and reports its
 end-to-end recovery time in phases (detection, restart, startup, agreement, load).
 
 Run: ``python benchmarks/recovery.py`` (``--size-mib 256`` for a quick look,
-``--skip-demo``, ``--only-new-process``). Needs ~6x the size in free memory per
+``--skip-demo``, ``--only-new-process``, ``--skip-new-process``; ``--stat median``: ratios of
+medians instead of minimums). Needs ~6x the size in free memory per
 rank. Prints a table and one JSON line. Targets: each of our paths >= 70 % of
 its limit; from memory >= 10x faster than DCP load; a new process restoring from
 memory >= 10x faster than from own disk and >= 20x faster than DCP load, with
@@ -199,8 +200,12 @@ def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[st
     times: dict[str, list[float]] = {}
     sources: dict[str, list[str]] = {}
     phases: dict[str, list[dict[str, float]]] = {}
-    for source in SOURCES:
-        times[source] = []
+    # A restarted worker's model and optimizer, built (and so mapped) before it recovers.
+    live = _like(state)
+    runs = [(source, into) for source in SOURCES for into in (False, True)]
+    for source, into in runs:
+        name = f"{source} in place" if into else source
+        times[name] = []
         for rep in range(repeats):
             # Every repetition starts from a fresh capture (not timed): both ranks hold
             # their own state and the peer's replica in memory and on disk. Then only
@@ -225,13 +230,20 @@ def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[st
                     _evict(f)
             dist.barrier()
             t0 = time.perf_counter()
-            loaded = manager.load(step)
-            times[source].append(time.perf_counter() - t0)
-            assert manager.last_restore is not None
-            sources[source] = manager.last_restore.sources
-            phases.setdefault(source, []).append(manager.last_restore.phases_s)
+            # Rank 1 hands its own slot over in both variants (no copy), so that rank 0's
+            # restore never waits for rank 1's work.
+            mine = into and rank == 0
+            loaded = manager.load(step, into=live if mine else None)
+            times[name].append(time.perf_counter() - t0)
+            report = manager.last_restore
+            assert report is not None
+            sources[name] = report.sources
+            phases.setdefault(name, []).append(report.phases_s)
+            if report.in_place != mine:
+                raise AssertionError(f"{name}: in_place={report.in_place}")
             if rep == 0:
-                _check_equal(loaded, state, source)
+                _check_equal(loaded, state, name)
+            manager.commit_restore()
             del loaded
     repl = manager.replication_stats
     assert repl is not None
@@ -243,6 +255,16 @@ def _ours(rank: int, state: dict[str, Any], repeats: int, root: Path) -> dict[st
         "phases": phases,
         "bytes": _nbytes(state),
         "replica_crc": replica,
+    }
+
+
+def _like(state: dict[str, Any]) -> dict[str, Any]:
+    """A tree of ``state``'s structure with other values, every page written (mapped)."""
+    return {
+        "model": {k: torch.full_like(v, 0.5) for k, v in state["model"].items()},
+        "optimizer": {"half": torch.full_like(state["optimizer"]["half"], 0.25)},
+        "rng": torch.zeros_like(state["rng"]),
+        "step": 0,
     }
 
 
@@ -309,6 +331,8 @@ def _demo_recovery(timeout_s: float) -> dict[str, Any] | None:
 def _child(mode: str, size_mib: int, root: str) -> None:
     """One new process of the restart benchmark; prints one JSON line."""
     torch.set_num_threads(1)
+    into = mode.endswith("-into")  # load(into=the live tensors) instead of a copy after load
+    mode = mode.removesuffix("-into")
     memory = None if mode == "disk" else str(Path(root) / "shm")
     config = InMemoryCkptConfig(
         interval=1,
@@ -323,7 +347,7 @@ def _child(mode: str, size_mib: int, root: str) -> None:
         manager = InMemoryCheckpointManager(config)
         manager.save(_state(size_mib * MIB, seed=7), 1)
         manager.wait_persisted()
-        manager._stop_threads()  # leave without close(): the slots stay, as after a crash
+        manager.close(finished=False)  # an unfinished run: the slots stay, as after a crash
         print(json.dumps({"captured": True}))
         return
     for f in Path(root, "disk").rglob("*.safetensors"):
@@ -336,22 +360,37 @@ def _child(mode: str, size_mib: int, root: str) -> None:
     t1 = time.perf_counter()
     step = manager.find_latest()
     t2 = time.perf_counter()
-    loaded = manager.load(step)
+    loaded = manager.load(step, into=live if into else None)
     t3 = time.perf_counter()
-    for k, v in live["model"].items():
-        v.copy_(loaded["model"][k])
-    live["optimizer"]["half"].copy_(loaded["optimizer"]["half"])
+    if not into:
+        for k, v in live["model"].items():
+            v.copy_(loaded["model"][k])
+        live["optimizer"]["half"].copy_(loaded["optimizer"]["half"])
     t4 = time.perf_counter()
+    report = manager.last_restore
+    assert report is not None and report.in_place == into
     if step == 1:
         _check_equal(loaded, _state(size_mib * MIB, seed=7), f"a new process ({mode})")
-    assert manager.last_restore is not None
+    # The copy into the live tensors: after the load, or (in place) its decode phase.
+    copy_s = report.phases_s["decode"] if into else t4 - t3
     crc_s = sum(manager.tier.verify_s) if manager.tier is not None else 0.0  # inside load_s
     manager.close(finished=False)
+    # The limit of that copy in this process: memcpy between two pre-faulted buffers.
+    nbytes = _nbytes(live) - live["rng"].numel()
+    a, b = allocate_arena(nbytes, pin=False), allocate_arena(nbytes, pin=False)
+    a.fill_(3)
+    memcpy_s = min(_clock(lambda: b.copy_(a)) for _ in range(3))
     print(json.dumps({
         "construct_s": t1 - t0, "find_latest_s": t2 - t1, "load_s": t3 - t2,
-        "restore_s": t3 - t0, "applied_s": t4 - t0, "sources": manager.last_restore.sources,
-        "attach_crc_s": crc_s,
+        "restore_s": t3 - t0, "applied_s": t4 - t0, "sources": report.sources,
+        "attach_crc_s": crc_s, "copy_s": copy_s, "memcpy_s": memcpy_s,
     }))  # fmt: skip
+
+
+def _clock(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _run_child(mode: str, size_mib: int, root: Path) -> dict[str, Any]:
@@ -372,11 +411,12 @@ def _new_process(size_mib: int, repeats: int) -> dict[str, Any]:
     nbytes = size_mib * MIB
     root = Path(tempfile.mkdtemp(prefix="lmr-bench-restart-", dir="/dev/shm"))
     disk_root = Path(tempfile.mkdtemp(prefix="lmr-bench-restart-"))
-    out: dict[str, list[dict[str, Any]]] = {"memory": [], "disk": []}
+    modes = ("memory", "memory-into", "disk", "disk-into")
+    out: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     try:
         (root / "disk").symlink_to(disk_root)  # files on the real disk, slots on tmpfs
         for _ in range(repeats):
-            for mode in ("memory", "disk"):
+            for mode in modes:
                 _run_child("capture", size_mib, root)
                 out[mode].append(_run_child(mode, size_mib, root))
                 shutil.rmtree(root / "shm", ignore_errors=True)
@@ -409,19 +449,15 @@ def _new_process(size_mib: int, repeats: int) -> dict[str, Any]:
     return {"runs": out, "raw_read_s": raw, "dcp_load_s": dcp_s, "bytes": nbytes}
 
 
-def _report_new_process(res: dict[str, Any]) -> dict[str, Any]:
-    med = statistics.median
+def _report_new_process(res: dict[str, Any], stat: str) -> dict[str, Any]:
+    med = min if stat == "min" else statistics.median
     gib = res["bytes"] / (1 << 30)
-    mem = {
-        k: med(r[k] for r in res["runs"]["memory"])
-        for k in res["runs"]["memory"][0]
-        if k.endswith("_s")
-    }
-    disk = {
-        k: med(r[k] for r in res["runs"]["disk"])
-        for k in res["runs"]["disk"][0]
-        if k.endswith("_s")
-    }
+
+    def of(mode: str) -> dict[str, float]:
+        runs = res["runs"][mode]
+        return {k: med(r[k] for r in runs) for k in runs[0] if k.endswith("_s")}
+
+    mem, disk, mem_in, disk_in = of("memory"), of("disk"), of("memory-into"), of("disk-into")
     raw, dcp_s = med(res["raw_read_s"]), med(res["dcp_load_s"])
     attach_validate = mem["construct_s"] + mem["find_latest_s"]
     row = {
@@ -440,9 +476,17 @@ def _report_new_process(res: dict[str, Any]) -> dict[str, Any]:
         "attach_crc_gbps": round(_gbps(res["bytes"], mem["attach_crc_s"]), 2),
         "attach_crc_share_of_restore": round(mem["attach_crc_s"] / mem["restore_s"], 3),
         "sources": [res["runs"]["memory"][0]["sources"], res["runs"]["disk"][0]["sources"]],
+        "memory_copy_s": round(mem["copy_s"], 4),
+        "memory_copy_over_memcpy": round(mem["memcpy_s"] / mem["copy_s"], 3),
+        "memory_in_place_copy_s": round(mem_in["copy_s"], 4),
+        "memory_in_place_copy_over_memcpy": round(mem_in["memcpy_s"] / mem_in["copy_s"], 3),
+        "memory_in_place_applied_s": round(mem_in["applied_s"], 4),
+        "disk_in_place_applied_s": round(disk_in["applied_s"], 4),
+        "disk_in_place_load_over_raw_read": round(raw / disk_in["load_s"], 3),
+        "disk_load_over_raw_read": round(raw / disk["load_s"], 3),
     }
     print(
-        f"new process restoring {res['bytes'] / MIB:.0f} MiB (median; interpreter start excluded):"
+        f"new process restoring {res['bytes'] / MIB:.0f} MiB ({stat}; interpreter start excluded):"
     )
     print(
         f"  from memory slots: {mem['restore_s']:.3f} s = construct+attach+validate "
@@ -462,6 +506,14 @@ def _report_new_process(res: dict[str, Any]) -> dict[str, Any]:
           f"DCP loads in place): memory {mem['applied_s']:.3f} s, own disk "
           f"{disk['applied_s']:.3f} s; DCP load / memory = {row['dcp_over_memory_applied']}x "
           "(the copy maps the slot's pages on first touch)")  # fmt: skip
+    print(f"  the copy alone: {mem['copy_s']:.3f} s = {row['memory_copy_over_memcpy']}x memcpy "
+          f"({mem['memcpy_s']:.3f} s); load(into=live): {mem_in['copy_s']:.3f} s = "
+          f"{row['memory_in_place_copy_over_memcpy']}x memcpy ({mem_in['memcpy_s']:.3f} s), "
+          f"applied {mem_in['applied_s']:.3f} s")  # fmt: skip
+    print(f"  own disk load: into fresh memory {disk['load_s']:.3f} s = "
+          f"{row['disk_load_over_raw_read']}x raw read, load(into=live) {disk_in['load_s']:.3f} s"
+          f" = {row['disk_in_place_load_over_raw_read']}x raw read, applied "
+          f"{disk_in['applied_s']:.3f} s")  # fmt: skip
     return row
 
 
@@ -491,15 +543,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-demo", action="store_true")
     parser.add_argument("--only-new-process", action="store_true")
+    parser.add_argument("--stat", choices=("min", "median"), default="min")
+    parser.add_argument("--skip-new-process", action="store_true")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("child_root", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         _child(args.child, args.size_mib, args.child_root)
         return
-    restart = _report_new_process(_new_process(args.size_mib, args.repeats))
+    restart = (
+        None
+        if args.skip_new_process
+        else _report_new_process(_new_process(args.size_mib, args.repeats), args.stat)
+    )
     if args.only_new_process:
-        print(json.dumps({"benchmark": "recovery-restart", **restart}))
+        print(json.dumps({"benchmark": "recovery-restart", **(restart or {})}))
         return
     root = Path(tempfile.mkdtemp(prefix="lmr-bench-recovery-"))
     try:
@@ -514,7 +572,8 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     r0 = per_rank[0]
-    med = statistics.median
+    # Minimums by default: the machine is shared, and noise only ever adds time.
+    med = min if args.stat == "min" else statistics.median
     nbytes = int(r0["ours"]["bytes"])
     lim = {k: med(v) for k, v in r0["limits"].items()}
     limit_of = {
@@ -525,33 +584,35 @@ def main() -> None:
     }
     dcp_s = med(r0["dcp"])
     print(
-        f"restore {nbytes / MIB:.0f} MiB on rank 0 of 2 ({os.cpu_count()} CPUs), median of "
-        f"{args.repeats}, page cache evicted before each read"
+        f"restore {nbytes / MIB:.0f} MiB on rank 0 of 2 ({os.cpu_count()} CPUs), {args.stat} of "
+        f"{args.repeats}, page cache evicted before each read; 'in place': load(into=live "
+        "tensors), the others into fresh memory"
     )
-    print(f"{'source':<12} {'ours s':>8} {'GB/s':>6} {'limit':>16} {'GB/s':>6} {'ours/limit':>10} "
+    print(f"{'source':<21} {'ours s':>8} {'GB/s':>6} {'limit':>16} {'GB/s':>6} {'ours/limit':>10} "
           f"{'DCP/ours':>8}  sources")  # fmt: skip
     rows = []
-    for source in SOURCES:
-        ours_s = med(r0["ours"]["times"][source])
+    names = [(src, n) for src in SOURCES for n in (src, f"{src} in place")]
+    for source, label in names:
+        ours_s = med(r0["ours"]["times"][label])
         name, limit_s = limit_of[source]
         row = {
-            "source": source,
+            "source": label,
             "ours_s": round(ours_s, 4),
             "ours_gbps": round(_gbps(nbytes, ours_s), 3),
             "limit": name,
             "limit_gbps": round(_gbps(nbytes, limit_s), 3),
             "ours_over_limit": round(limit_s / ours_s, 3),
             "dcp_over_ours": round(dcp_s / ours_s, 2),
-            "sources": r0["ours"]["sources"][source],
+            "sources": r0["ours"]["sources"][label],
         }
         rows.append(row)
-        print(f"{source:<12} {ours_s:>8.3f} {row['ours_gbps']:>6.2f} {name:>16} "
+        print(f"{label:<21} {ours_s:>8.3f} {row['ours_gbps']:>6.2f} {name:>16} "
               f"{row['limit_gbps']:>6.2f} {row['ours_over_limit']:>10.2f} "
               f"{row['dcp_over_ours']:>8.2f}  {','.join(row['sources'])}")  # fmt: skip
-    for source in SOURCES:
-        runs = r0["ours"]["phases"][source]
+    for _, label in names:
+        runs = r0["ours"]["phases"][label]
         parts = ", ".join(f"{k} {med([p[k] for p in runs]):.3f}" for k in runs[0] if k != "fetch")
-        print(f"  {source:<12} phases (median s): {parts}")
+        print(f"  {label:<21} phases ({args.stat} s): {parts}")
     print(f"DCP load (no_dist, in place): {dcp_s:.3f} s, {_gbps(nbytes, dcp_s):.2f} GB/s")
     replica = _replica_crc(r0["ours"]["replica_crc"], nbytes)
     print(f"received replica (rank 0, {replica['cycles']} cycles, median): CRC-32C check "

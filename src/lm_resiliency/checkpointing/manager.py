@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from lm_resiliency.capture.engine import CaptureEngine, CaptureStats
 from lm_resiliency.capture.slot import ANONYMOUS, ArenaBacking, Slot
+from lm_resiliency.capture.target import Target
 from lm_resiliency.checkpointing.disk import LocalDisk
 from lm_resiliency.checkpointing.exit import ExitGuard
 from lm_resiliency.checkpointing.flush import DiskFlusher, FlushStats, flush_due
@@ -268,7 +269,13 @@ class InMemoryCheckpointManager:
         self._check_open()
         return self._restorer.newest(RecoveryMode(mode))
 
-    def load(self, step: int | None = None, *, mode: RecoveryMode = RecoveryMode.LATEST) -> Any:
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        mode: RecoveryMode = RecoveryMode.LATEST,
+        into: Any = None,
+    ) -> Any:
         """Collective: this rank's state tree at ``step`` (default: the newest common one).
 
         Each rank obtains its state from its cheapest source; a source that
@@ -289,9 +296,23 @@ class InMemoryCheckpointManager:
         :meth:`commit_restore`, which ``save`` and ``maybe_wait`` call too.
         Until then it stays committed: a process that dies while applying the
         state (or that raises first) leaves it for the restarted process.
+
+        ``into``: a state tree of the same structure as the saved one whose tensors
+        are the live, contiguous CPU model and optimizer tensors (e.g. the
+        ``state_dict()`` trees). The step's bytes are then read, received or copied
+        straight into them (memory already mapped: no page faults of fresh buffers),
+        and the returned tree holds those very tensors (``last_restore.in_place``);
+        an own-memory slot is copied, so it stays committed and is not handed over.
+        Every check is the same; a source that fails one (a checksum included) may
+        have written into them before the next source or step overwrites them, so
+        after ``NoConsistentStep`` (or a ``load_fallback`` result) their bytes are
+        garbage. A step whose layout differs from ``into``'s is returned as usual,
+        in fresh tensors (a warning says so). Raises ``ValueError`` for a tensor of
+        ``into`` that is not a contiguous CPU tensor.
         """
         self._check_open()
-        outcome = self._restorer.load(step, RecoveryMode(mode), self.load_fallback)
+        target = Target.from_tree(into) if into is not None else None
+        outcome = self._restorer.load(step, RecoveryMode(mode), self.load_fallback, target)
         if outcome.fetched is not None and outcome.fetched.consume is not None:
             self._handovers.append(outcome.fetched.consume)
         self.last_restore = outcome.report

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lm_resiliency.capture.target import Target
 from lm_resiliency.checkpointing.history import History
 from lm_resiliency.checkpointing.setup import Parts
 from lm_resiliency.control import ControlPlane
@@ -65,6 +66,8 @@ class RestoreReport:
     not_own_memory: list[str] = field(default_factory=list)
     """For every rank not served from own memory: why (its own slot of the step failed a
     check, with the reason, or own memory holds no such step, with the steps it holds)."""
+    in_place: bool = False
+    """This rank's state was restored into the tensors passed as ``load(into=...)``."""
 
 
 @dataclass
@@ -227,6 +230,7 @@ class Restorer:
         step: int | None,
         mode: RecoveryMode,
         fallback: Callable[[], Any] | None,
+        target: Target | None = None,
     ) -> Outcome:
         t0 = time.perf_counter()
         table, reports, common = self.gather(mode)
@@ -242,7 +246,7 @@ class Restorer:
         problems: list[str] = []
         for s in candidates:
             t1 = time.perf_counter()
-            got = fetch_step(s, table, ctx)
+            got = fetch_step(s, table, ctx, target)
             if isinstance(got, Unusable):
                 failed.append(s)
                 problems += got.problems
@@ -260,14 +264,27 @@ class Restorer:
             labels = [src.label for src in got.sources]
             reasons = not_own_memory(s, got.sources, got.problems, reports)
             report = RestoreReport(
-                s, labels, got.bytes_moved, failed, phases, problems + got.problems, reasons
+                s,
+                labels,
+                got.bytes_moved,
+                failed,
+                phases,
+                problems + got.problems,
+                reasons,
+                got.in_place,
             )
             self._record(report, time.perf_counter() - t0)
             return Outcome(got.state, report, got)
+        garbage = (
+            "; the tensors passed as load(into=...) may hold bytes of the failed attempts: "
+            "do not train on them"
+            if failed and target is not None
+            else ""
+        )
         if failed and mode is RecoveryMode.RECOVERY_VERIFIED:
             raise NoConsistentStep(
                 f"every verified step failed validation (tried {failed}): {'; '.join(problems)}; "
-                "failing closed (RECOVERY_VERIFIED never falls back to unverified state)"
+                "failing closed (RECOVERY_VERIFIED never falls back to unverified state)" + garbage
             )
         why = (
             f"every common step failed validation (tried {failed})"
@@ -288,7 +305,7 @@ class Restorer:
         raise NoConsistentStep(
             f"rank {self._control.rank}: no {mode.value} GEMINI step is available on every rank "
             f"({why}: {lines}) and no load_fallback was given; pass "
-            "load_fallback=<load your durable checkpoint> to recover from it"
+            "load_fallback=<load your durable checkpoint> to recover from it" + garbage
         )
 
     def _record(self, report: RestoreReport, seconds: float) -> None:

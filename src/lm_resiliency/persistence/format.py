@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from lm_resiliency import _strict_json as strict_json
 from lm_resiliency._killpoints import kill_point
 from lm_resiliency._safefs import pread_exact, preadinto_exact, pwrite_all, write_all
 from lm_resiliency.capture import Layout, populate
+from lm_resiliency.capture.target import Target
 from lm_resiliency.errors import StateEncodingError
 from lm_resiliency.knobs import CRC_CHUNK_BYTES
 from lm_resiliency.persistence import document
@@ -308,29 +310,68 @@ def read_data(
     layout's bytes. On a checksum failure ``ShardIntegrityError`` is raised and
     whatever was read into ``into`` must be treated as garbage.
     """
+    layout = header.doc.layout
+    arena = torch.empty(layout.total_bytes, dtype=torch.uint8) if into is None else into
+    _arena_view(arena, layout)  # checks it
+    _read_verified(fd, header, path, lambda off, n: [arena[off : off + n]])
+    return arena
+
+
+def read_into_target(fd: int, header: ShardHeader, path: str | Path, target: Target) -> None:
+    """:func:`read_data` straight into the live tensors of ``target`` (same layout).
+
+    Each chunk is one ``preadv`` over the tensors it spans; the same checks, and the
+    same contract: after a failure the target's bytes are garbage.
+    """
+    layout = header.doc.layout
+    if not target.matches(layout):
+        raise ValueError(
+            f"{path}: the target's layout {target.layout.digest} is not the shard's {layout.digest}"
+        )
+    _read_verified(fd, header, path, target.pieces)
+
+
+def _read_verified(
+    fd: int,
+    header: ShardHeader,
+    path: str | Path,
+    views: Callable[[int, int], list[torch.Tensor]],
+) -> None:
+    """Read the data bytes into ``views(offset, nbytes)``, chunk by chunk, CRCs checked."""
     total = header.doc.layout.total_bytes
-    arena = torch.empty(total, dtype=torch.uint8) if into is None else into
-    view = _arena_view(arena, header.doc.layout)
     integ = header.doc.integrity
     chunk = integ.chunk_bytes if integ is not None else CRC_CHUNK_BYTES
     futures: list[Future[int]] = []
     with contextlib.suppress(OSError):  # a hint: the kernel reads further ahead
         os.posix_fadvise(fd, header.data_offset, total, os.POSIX_FADV_SEQUENTIAL)
+
+    def map_pages(off: int) -> None:
+        for v in views(off, min(chunk, total - off)):
+            populate(v)
+
+    def crc(pieces: list[memoryview]) -> int:
+        value = 0
+        for p in pieces:
+            value = crc32c.crc32c(p, value)
+        return value
+
     # The helper thread maps the next chunk's pages while this one waits for the disk,
     # then checksums the chunk just read; the reads themselves never wait for either.
     with ThreadPoolExecutor(1, thread_name_prefix="lmr-crc") as pool:
-        pool.submit(populate, arena[:chunk])
+        if total:
+            pool.submit(map_pages, 0)
         for off in range(0, total, chunk):
             if off + chunk < total:
-                pool.submit(populate, arena[off + chunk : off + 2 * chunk])
-            piece = view[off : off + chunk]
-            got = preadinto_exact(fd, piece, header.data_offset + off)
-            if got != len(piece):
+                pool.submit(map_pages, off + chunk)
+            pieces = [memoryview(v.numpy()) for v in views(off, min(chunk, total - off))]  # type: ignore[arg-type]
+            want = sum(len(p) for p in pieces)
+            got = _preadv_exact(fd, pieces, header.data_offset + off)
+            if got != want:
                 raise unavailable(
                     _R.TRUNCATED, path, f"the file ended {total - off - got} bytes early"
                 )
             if integ is not None:
-                futures.append(pool.submit(crc32c.crc32c, piece))
+                futures.append(pool.submit(crc, pieces))
         if integ is not None:
             for i, (f, want) in enumerate(zip(futures, integ.chunks, strict=True)):
                 if f.result() != want:
@@ -340,4 +381,22 @@ def read_data(
                         f"data chunk {i} (bytes {i * chunk}..{min(total, (i + 1) * chunk)}) does "
                         "not match its CRC-32C: the stored bytes are damaged",
                     )
-    return arena
+
+
+def _preadv_exact(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill ``views`` in order from ``offset``; the bytes read (short only at end of file)."""
+    if len(views) == 1:
+        return preadinto_exact(fd, views[0], offset)
+    done = 0
+    rest = list(views)
+    while rest:
+        n = os.preadv(fd, rest, offset + done)
+        if n == 0:
+            break
+        done += n
+        while rest and n >= len(rest[0]):
+            n -= len(rest[0])
+            rest.pop(0)
+        if rest and n:
+            rest[0] = rest[0][n:]
+    return done

@@ -20,7 +20,8 @@ import torch
 
 from lm_resiliency._safefs import preadinto_exact
 from lm_resiliency.capture import Layout
-from lm_resiliency.persistence.format import ShardHeader, read_data
+from lm_resiliency.capture.target import Target
+from lm_resiliency.persistence.format import ShardHeader, read_data, read_into_target
 from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
 
 
@@ -56,6 +57,19 @@ class ShardReader:
     def read_all(self, into: torch.Tensor | None = None) -> torch.Tensor:
         """Every data byte, each chunk's CRC verified (see ``format.read_data``)."""
         return read_data(self._open_fd(), self.header, self.path, into=into)
+
+    def read_into_target(self, target: Target) -> None:
+        """Every data byte straight into ``target``'s live tensors, each chunk's CRC verified.
+
+        Raises ``ShardUnavailable`` (a checksum, a short file, an I/O error; the target's
+        bytes are then garbage) or ``ValueError`` (the target's layout is another one).
+        """
+        try:
+            read_into_target(self._open_fd(), self.header, self.path, target)
+        except OSError as exc:
+            raise unavailable(
+                UnavailableReason.IO_ERROR, self.path, f"reading its data failed: {exc}"
+            ) from None
 
     def read_into(self, offset: int, out: torch.Tensor) -> None:
         """Fill ``out`` (flat ``uint8`` CPU) with data bytes from ``offset``; not verified."""

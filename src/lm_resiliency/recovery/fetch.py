@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lm_resiliency.capture.target import Target
 from lm_resiliency.control import ControlPlane
 from lm_resiliency.knobs import OWN_STORAGE_BYTES
 from lm_resiliency.persistence.reader import ShardReader
@@ -77,6 +78,8 @@ class Fetched:
     consume: Callable[[], object] | None = None
     """Hands this rank's own-memory slot over (``None`` for a source that is not consumed);
     call it only after the recovered state was applied."""
+    in_place: bool = False
+    """The state's tensors are the fetch's target tensors (restored in place)."""
 
 
 @dataclass
@@ -92,11 +95,23 @@ def _reason(exc: BaseException) -> str:
     return f"{code}: {str(exc)[:240]}"
 
 
-def decode(material: Material) -> Any:
-    """The state tree of ``material`` (raises ``StateSchemaError`` for a bad document)."""
+def decode(material: Material, target: Target | None = None) -> tuple[Any, bool]:
+    """The state tree of ``material`` and whether it holds ``target``'s tensors.
+
+    A material ``filled`` into ``target``, or one in memory whose layout is the
+    target's (copied into it here), decodes onto the target's live tensors; any
+    other decodes onto views of its arena. Raises ``StateSchemaError`` for a bad
+    document.
+    """
+    if material.filled:
+        assert target is not None
+        return decode_state(material.document, target.tensors), True
+    if target is not None and target.matches(material.layout):
+        target.write(0, material.arena[: material.layout.total_bytes])
+        return decode_state(material.document, target.tensors), True
     views = material.layout.views(material.arena)
     tensors = [v.clone() if v.nbytes < OWN_STORAGE_BYTES else v for v in views]
-    return decode_state(material.document, tensors)
+    return decode_state(material.document, tensors), False
 
 
 class _Round:
@@ -131,20 +146,31 @@ class _Round:
         return c if c is not None and c.remote else None
 
 
-def fetch_step(step: int, options: Options, ctx: FetchContext) -> Fetched | Unusable:
-    """Collective: this rank's validated state of ``step``, or :class:`Unusable` on every rank."""
+def fetch_step(
+    step: int, options: Options, ctx: FetchContext, target: Target | None = None
+) -> Fetched | Unusable:
+    """Collective: this rank's validated state of ``step``, or :class:`Unusable` on every rank.
+
+    ``target``: live tensors to restore into (read, received or copied straight into
+    them when the step's layout is theirs; ``Fetched.in_place`` says whether it was).
+    Their bytes are garbage after an :class:`Unusable`, and may be overwritten by a
+    source that failed before the one used.
+    """
     rnd = _Round(step, options, ctx)
     me = ctx.rank
     state: Any = None
     mine: Material | None = None
     moved = 0
     used: Source | None = None
+    in_place = False
     phases = {"prepare": 0.0, "transfer": 0.0, "decode": 0.0}
 
     def timed_decode(material: Material) -> Any:
+        nonlocal in_place
         t = time.perf_counter()
         try:
-            return decode(material)
+            tree, in_place = decode(material, target)
+            return tree
         finally:
             phases["decode"] += time.perf_counter() - t
 
@@ -161,7 +187,7 @@ def fetch_step(step: int, options: Options, ctx: FetchContext) -> Fetched | Unus
         choice = rnd.choice(me)
         if not rnd.settled[me] and choice is not None and not choice.remote:
             try:
-                opened = ctx.sources[choice].open(step)
+                opened = ctx.sources[choice].open(step, target)
                 assert isinstance(opened, Material)
                 state, mine, used = timed_decode(opened), opened, choice
             except Exception as exc:
@@ -192,7 +218,7 @@ def fetch_step(step: int, options: Options, ctx: FetchContext) -> Fetched | Unus
                 continue
             # Phase 2: replicas go home, for owners whose server opened its copy.
             t1 = time.perf_counter()
-            recv_err, send_err, got = _move(step, ctx, owner, movers, served)
+            recv_err, send_err, got = _move(step, ctx, owner, movers, served, target)
             if got is not None:
                 try:
                     state, mine, used = timed_decode(got), got, rnd.choice(me)
@@ -213,7 +239,18 @@ def fetch_step(step: int, options: Options, ctx: FetchContext) -> Fetched | Unus
                 served.close()
     assert mine is not None and used is not None
     final = [_or_fallback(rnd.choice(r)) for r in range(ctx.world_size)]
-    return Fetched(state, used, moved, phases, final, rnd.problems, mine.consume)
+    if target is not None and not in_place:
+        log.warning(
+            "rank %d: load(into=...) was not restored in place: the layout of step %d "
+            "(%s) is not the one of the given tensors (%s); a fresh state is returned",
+            me,
+            step,
+            mine.layout.digest,
+            target.layout.digest,
+        )
+    # A state copied into the target does not alias its slot: nothing to hand over.
+    consume = None if in_place else mine.consume
+    return Fetched(state, used, moved, phases, final, rnd.problems, consume, in_place)
 
 
 def _or_fallback(source: Source | None) -> Source:
@@ -239,6 +276,7 @@ def _move(
     owner: int | None,
     movers: list[int],
     served: Served | None,
+    target: Target | None = None,
 ) -> tuple[str, str, Material | None]:
     """Phase 2 (collective): replicas travel home, both directions of a rank at once.
 
@@ -265,8 +303,9 @@ def _move(
         assert server is not None
         try:
             key = _key(step, src=server, dst=me, meta=(metas[server][0], metas[server][1]))
-            got = recv_checkpoint(ctx.channel, key, owner_rank=me)
-            received.append(Material(got.layout, got.arena, got.state_document))
+            got = recv_checkpoint(ctx.channel, key, owner_rank=me, into=target)
+            filled = got.target is not None
+            received.append(Material(got.layout, got.arena, got.state_document, filled=filled))
         except Exception as exc:
             errors["recv"] = _reason(exc)
 

@@ -34,6 +34,7 @@ import torch
 
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.capture.slot import Slot
+from lm_resiliency.capture.target import Target
 from lm_resiliency.persistence.reader import ShardReader
 from lm_resiliency.persistence.store import ShardStore
 from lm_resiliency.recovery.availability import Source
@@ -51,6 +52,8 @@ class Material:
     crcs: tuple[int, ...] | None = None
     """The arena's CRC-32C per chunk as recorded when it was filled (memory slots), sent
     with it when it is served to its owner, so damage since then is refused there."""
+    filled: bool = False
+    """The bytes were read straight into the restore's target (``arena`` is empty)."""
 
 
 Served = Material | ShardReader
@@ -67,8 +70,13 @@ class StepSource(Protocol):
     def steps(self) -> frozenset[int]:
         """Steps this source can deliver (listing only; opening may still fail)."""
 
-    def open(self, step: int) -> Served:
-        """``step`` validated (raises an error with a ``reason`` when unusable)."""
+    def open(self, step: int, target: Target | None = None) -> Served:
+        """``step`` validated (raises an error with a ``reason`` when unusable).
+
+        ``target``: live tensors a source may read the bytes into directly, when their
+        layout is the step's (the returned material is then ``filled``); after a
+        failure their bytes are garbage.
+        """
 
 
 class MemorySlots:
@@ -94,7 +102,7 @@ class MemorySlots:
             if s.step is not None and self._eligible(s.step, s.timeline)
         )
 
-    def open(self, step: int) -> Material:
+    def open(self, step: int, target: Target | None = None) -> Material:
         for slot in self._slots():
             if slot.step != step:
                 continue
@@ -136,7 +144,7 @@ class DiskShards:
             if self._eligible(s, store.timeline_of(self.owner, s))
         )
 
-    def open(self, step: int) -> Served:
+    def open(self, step: int, target: Target | None = None) -> Served:
         store = self._store()
         if store is None:
             raise LookupError("no node-local folder")
@@ -144,6 +152,12 @@ class DiskShards:
             # Opened and header-checked only: the bytes stream to their owner chunk by
             # chunk, verified there against the checksums stored with them.
             return store.open_reader(owner_rank=self.owner, step=step)
+        if target is not None:
+            with store.open_reader(owner_rank=self.owner, step=step) as reader:
+                if target.matches(reader.layout):
+                    reader.read_into_target(target)
+                    empty = torch.empty(0, dtype=torch.uint8)
+                    return Material(reader.layout, empty, reader.state_document, filled=True)
         shard = store.read(owner_rank=self.owner, step=step)
         return Material(shard.layout, shard.arena, shard.state_document)
 
@@ -159,5 +173,5 @@ class NoSource:
     def steps(self) -> frozenset[int]:
         return frozenset()
 
-    def open(self, step: int) -> Served:
+    def open(self, step: int, target: Target | None = None) -> Served:
         raise LookupError(f"{self.kind.label} has nothing on this rank")

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from lm_resiliency.capture.arena import populate
+from lm_resiliency.capture.arena import allocate_arena, populate
+from lm_resiliency.capture.target import Target
 from lm_resiliency.errors import ReplicationError
 from lm_resiliency.replication._edge import Edge, describe_failure
 from lm_resiliency.replication._wire import Frame, Tag, empty_frame
@@ -26,8 +27,9 @@ Progress = Callable[[str, int, int], None]
 Validator = Callable[[dict[str, Any]], None]
 """Extra header check run after the built-in ones; raise to reject the header."""
 
-Allocator = Callable[[dict[str, Any]], torch.Tensor]
-"""Returns the destination arena for a validated header (flat uint8 CPU tensor)."""
+Allocator = Callable[[dict[str, Any]], "torch.Tensor | Target"]
+"""Returns the destination for a validated header: a flat uint8 CPU tensor, or the live
+tensors of a :class:`~lm_resiliency.capture.target.Target` of the header's layout."""
 
 ChunkSource = Callable[[int, int], torch.Tensor]
 """``source(offset, nbytes)``: the bytes ``[offset, offset + nbytes)`` of the arena
@@ -115,7 +117,7 @@ def _chunks(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
 
 def stream(
     link: Link,
-    arena: torch.Tensor | None,
+    arena: torch.Tensor | Target | None,
     total_bytes: int,
     chunk_bytes: int,
     limits: TransferLimits,
@@ -129,39 +131,64 @@ def stream(
     Receiving writes into ``arena``, mapping each chunk's pages just before its
     receive is posted (so page faults overlap the chunks still in flight rather
     than stall the transport thread), and hands each completed chunk to ``sink``.
+    A :class:`~lm_resiliency.capture.target.Target` as ``arena`` receives each
+    chunk straight into the live tensor holding it; a chunk spanning two tensors
+    lands in one of ``max_in_flight`` pre-faulted bounce buffers and is copied
+    into place once it arrived (before ``sink`` sees it).
     """
     sending = link.direction == "send"
     post = link.send if sending else link.recv
     verb = "send" if sending else "receive"
     chunks = _chunks(total_bytes, chunk_bytes)
-    pending: deque[tuple[Any, int, int, int]] = deque()
+    pending: deque[tuple[Any, int, int, torch.Tensor, bool]] = deque()
+    target = arena if isinstance(arena, Target) else None
+    ring: dict[int, torch.Tensor] = {}
     done = 0
 
     def retire() -> None:
         nonlocal done
-        work, index, offset, nbytes = pending.popleft()
+        work, index, offset, piece, bounced = pending.popleft()
         link.wait(work, f"{verb} chunk {index + 1}/{len(chunks)}")
-        done += nbytes
-        if sink is not None and arena is not None:
-            sink(arena[offset : offset + nbytes])
+        done += piece.numel()
+        if bounced:
+            assert target is not None
+            target.write(offset, piece)
+        if sink is not None and not sending:
+            sink(piece)
         if limits.progress is not None:
             limits.progress(link.direction, done, total_bytes)
+
+    def destination(index: int, offset: int, nbytes: int) -> tuple[torch.Tensor, bool]:
+        if target is None:
+            assert isinstance(arena, torch.Tensor)
+            return arena[offset : offset + nbytes], False
+        direct = target.piece(offset, nbytes)
+        if direct is not None:
+            return direct, False
+        # Buffer ``index % max_in_flight`` held chunk ``index - max_in_flight`` at most,
+        # retired (copied into place) before this chunk is posted.
+        slot = index % limits.max_in_flight
+        if slot not in ring:
+            ring[slot] = allocate_arena(min(chunk_bytes, total_bytes), pin=False)
+        return ring[slot][:nbytes], True
 
     try:
         for index, (offset, nbytes) in enumerate(chunks):
             if len(pending) >= limits.max_in_flight:
                 retire()
             what = f"{verb} chunk {index + 1}/{len(chunks)}"
+            bounced = False
             if sending and source is not None:
                 piece = source(offset, nbytes)
                 if piece.dtype != torch.uint8 or piece.numel() != nbytes:
                     raise ValueError(f"chunk source gave {piece.numel()} bytes for {nbytes}")
-            else:
-                assert arena is not None
+            elif sending:
+                assert isinstance(arena, torch.Tensor)
                 piece = arena[offset : offset + nbytes]
-                if not sending:
-                    populate(piece)
-            pending.append((post(piece, Tag.CHUNK, what), index, offset, nbytes))
+            else:
+                piece, bounced = destination(index, offset, nbytes)
+                populate(piece)
+            pending.append((post(piece, Tag.CHUNK, what), index, offset, piece, bounced))
         while pending:
             retire()
     except BaseException:

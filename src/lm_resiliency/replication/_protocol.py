@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from lm_resiliency.capture.layout import Layout
+from lm_resiliency.capture.target import Target
 from lm_resiliency.errors import ReplicationError
 from lm_resiliency.replication._edge import Edge
 from lm_resiliency.replication._link import (
@@ -42,7 +43,7 @@ class Received:
     """A peer's arena and header, fully received and validated.
 
     ``arena`` is the tensor ``recv_alloc`` returned; its first ``layout.total_bytes``
-    bytes now hold the owner's state for ``step``.
+    bytes now hold the owner's state for ``step`` (or ``target``, see there).
     """
 
     owner_rank: int
@@ -51,6 +52,9 @@ class Received:
     layout: Layout
     arena: torch.Tensor
     trailer: bytes = b""
+    target: Target | None = None
+    """Set when ``recv_alloc`` returned a target: the bytes are in its live tensors and
+    ``arena`` is empty."""
 
     @property
     def state_document(self) -> dict[str, Any]:
@@ -302,6 +306,9 @@ def _accept(
         trailer = buf.numpy().tobytes()
     ack = Frame(Kind.ACK, step, layout.total_bytes).pack()
     link.wait(link.send(ack, Tag.ACK, "send ack"), "send ack")
+    if isinstance(arena, Target):
+        empty = torch.empty(0, dtype=torch.uint8)
+        return Received(owner_rank, step, header, layout, empty, trailer, arena)
     return Received(owner_rank, step, header, layout, arena, trailer)
 
 
@@ -317,6 +324,12 @@ def _trailer_bytes(header: dict[str, Any], limits: TransferLimits) -> int:
 
 
 def _check_destination(arena: object, total_bytes: int) -> None:
+    if isinstance(arena, Target):
+        if arena.total_bytes != total_bytes:
+            raise ValueError(
+                f"recv_alloc returned a target of {arena.total_bytes} bytes for {total_bytes}"
+            )
+        return
     if not isinstance(arena, torch.Tensor):
         raise TypeError(f"recv_alloc returned {type(arena).__name__}, not a tensor")
     if (

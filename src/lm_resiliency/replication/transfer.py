@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from lm_resiliency.capture.arena import allocate_arena
+from lm_resiliency.capture.target import Target
 from lm_resiliency.checksums import ChunkCrc, crc_count, mismatched, pack_crcs, unpack_crcs
 from lm_resiliency.errors import IntegrityError, ReplicationError
 from lm_resiliency.knobs import CRC_CHUNK_BYTES, READ_AHEAD_CHUNKS
@@ -279,25 +280,30 @@ def recv_checkpoint(
     *,
     owner_rank: int,
     on_chunk: Callable[[int], None] | None = None,
-    into: torch.Tensor | None = None,
+    into: Target | torch.Tensor | None = None,
 ) -> Received:
     """Receive the checkpoint named by ``key`` from ``key.src`` into a fresh arena.
 
     ``on_chunk(nbytes)``, if given, is called after each chunk arrived and was
     checksummed, with the bytes received so far (progress, and a test's kill point).
-    ``into``: a flat uint8 CPU tensor of at least ``key.total_bytes`` to receive into
-    (e.g. one whose pages are already mapped), instead of a fresh one.
+    ``into``: live tensors (a :class:`Target`) to receive into instead, used when their
+    layout is the key's (``Received.target`` then says so; otherwise a fresh arena is
+    filled); or a flat uint8 CPU tensor of at least ``key.total_bytes`` (e.g. one whose
+    pages are already mapped) to receive into instead of a fresh one.
 
     Refuses (before any bytes) a header whose transfer key differs from ``key``;
     checksums every chunk as it arrives and compares with the sender's trailer.
     Raises ``ReplicationError`` (transport or key mismatch) or ``IntegrityError``
-    (a chunk's checksum failed; its index is named).
+    (a chunk's checksum failed; its index is named; the bytes received into
+    ``into`` are then garbage).
     """
     if key.dst != channel.rank:
         raise ValueError(
             f"transfer {key.name!r} is to rank {key.dst}, not this rank {channel.rank}"
         )
     running: list[ChunkCrc] = []
+    flat = into if isinstance(into, torch.Tensor) else None
+    target = into if isinstance(into, Target) and into.layout.digest == key.layout_digest else None
 
     def validate(header: dict[str, Any]) -> None:
         got = header.get("transfer")
@@ -329,9 +335,11 @@ def recv_checkpoint(
         step=key.step,
         expect_owner=owner_rank,
         recv_alloc=lambda h: (
-            torch.empty(int(h["total_bytes"]), dtype=torch.uint8)
-            if into is None
-            else into[: int(h["total_bytes"])]
+            target
+            if target is not None
+            else flat[: int(h["total_bytes"])]
+            if flat is not None
+            else torch.empty(int(h["total_bytes"]), dtype=torch.uint8)
         ),
         validate=validate,
         sink=sink,
