@@ -44,6 +44,7 @@ from lm_resiliency.errors import ConfigError, ResiliencyError
 from lm_resiliency.faults import FaultInjector
 from lm_resiliency.faults.schedule import FaultKind
 from lm_resiliency.live.config import LiveConfig
+from lm_resiliency.live.keys import Heartbeat, decode
 from lm_resiliency.live.membership import Change, Membership
 from lm_resiliency.live.reducer import LiveReducer
 from lm_resiliency.live.sampler import (
@@ -171,6 +172,7 @@ class LiveSession:
         self.reducer: _KillPointReducer | None = None
         self.txn: MTGS | None = None
         self.leaves: frozenset[int] = frozenset()
+        self._computed: tuple[int, tuple[int, ...]] | None = None
         self.data_state: dict[str, Any] = {}
         """MTGS's later data state (the sampler, once made): restored before every redo."""
         self.events = _events(config, membership)
@@ -317,6 +319,9 @@ class LiveSession:
         def reseeded(*args: Any) -> torch.Tensor:
             if not args or args[0] == 0:
                 m = self.membership
+                # The membership this attempt computes under: the commit log names it, also
+                # when a later change finalises the step (another survivor confirmed it).
+                self._computed = (m.epoch, m.members)
                 reseed_step(
                     self.seed,
                     self.step,
@@ -335,11 +340,38 @@ class LiveSession:
             return
         self._log("live.leave", step=step)
         self._leaving = True
+        self._await_peers_committed(step - 1)
         self.membership.report_failure("leave")
         close()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # a clean exit that runs no Gloo destructor of a group the peers still use
+
+    def _await_peers_committed(self, step: int) -> None:
+        """Wait (bounded by ``reform_timeout_s``) until every member's heartbeat shows ``step``.
+
+        A clean leave happens at a step boundary all members have passed: this replica's
+        confirmation of ``step`` may complete before a peer's (the ring still needs this
+        process's sockets), and a ``fail/<E>`` flag written then would make that peer give
+        the step up and the survivors redo it without the leaver, which is not what the
+        script said (``leave@R:S`` leaves *before* S, after taking part in S - 1).
+        """
+        m = self.membership
+        keys = [m.keys.heartbeat(r, m.group_rank) for r in m.members if r != self.replica]
+        deadline = time.monotonic() + self.config.reform_timeout_s
+        while keys and time.monotonic() < deadline:
+            raw = self._ask(lambda s: s.multi_get(keys))
+            beats = [decode(Heartbeat, b, key=k) for k, b in zip(keys, raw, strict=True)]
+            if all(b.committed >= step for b in beats):
+                return
+            time.sleep(self.config.poll_slice_s)
+        if keys:
+            log.warning(
+                "live membership: members did not all commit step %d within reform_timeout_s=%g "
+                "before this replica's scripted leave; leaving anyway",
+                step,
+                self.config.reform_timeout_s,
+            )
 
     def after_step(self, result: StepResult) -> None:
         """Log the commit (and its digest) and tell the heartbeat the newest committed step."""
@@ -347,10 +379,11 @@ class LiveSession:
             return
         self.membership.set_committed(result.step)
         m = self.membership
+        epoch, members = self._computed or (m.epoch, m.members)
         fields: dict[str, Any] = {
             "step": result.step,
-            "epoch": m.epoch,
-            "members": list(m.members),
+            "epoch": epoch,
+            "members": list(members),
         }
         every = self.config.digest_every
         if every and result.step % every == 0 and self._digest_of is not None:
