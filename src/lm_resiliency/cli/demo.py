@@ -32,6 +32,7 @@ Exit status 0 only when the comparison passes; 1 otherwise; 2 for bad flags;
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import shutil
 import signal
@@ -142,9 +143,8 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.live:
-        from lm_resiliency.cli.demo_live import run as run_live
-
-        return run_live(args)
+        live = importlib.import_module("lm_resiliency.cli.demo_live")  # torch only when used
+        return int(live.run(args))
     try:
         _check(args)
         spec = DemoSpec(

@@ -21,6 +21,7 @@ Exit status 0 only when every check passes; 1 otherwise; 2 for bad flags.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import sys
 import tempfile
@@ -41,8 +42,6 @@ _HEAL_WAIT_S = 30.0
 
 def heal_available() -> bool:
     """Whether this install admits a restarted replica (the heal of docs/live-membership.md §6)."""
-    import importlib.util
-
     return importlib.util.find_spec("lm_resiliency.live.heal") is not None
 
 
