@@ -13,8 +13,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 KILL_ENV = "LM_RESILIENCY_TEST_KILL"
+KILL_STAMP_ENV = "LM_RESILIENCY_TEST_KILL_STAMP"
+"""A file that :func:`kill_point` writes the wall time (``time.time()``) of the kill to, just
+before the SIGKILL (the live demo and benchmark measure from it)."""
 
 LIVE_KILL_POINTS = (
     "live.forward",
@@ -38,6 +42,10 @@ def kill_point(name: str, *, step: int | None = None) -> None:
     """
     target = os.environ.get(KILL_ENV)
     if target is not None and (target == name or (step is not None and target == f"{name}@{step}")):
+        stamp = os.environ.get(KILL_STAMP_ENV)
+        if stamp:
+            with open(stamp, "w") as f:
+                f.write(repr(time.time()))
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)

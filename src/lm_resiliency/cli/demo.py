@@ -32,6 +32,7 @@ Exit status 0 only when the comparison passes; 1 otherwise; 2 for bad flags;
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import shutil
 import signal
@@ -61,7 +62,16 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--world-size", type=int, default=4, help="torchrun workers (default 4)")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="live membership instead: 4 replica groups under lm-resiliency launch, replica "
+        "--fault-rank SIGKILLed in step --fault-step (default 8 of 12), the survivors go on "
+        "in the same processes",
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps (default 40; --live: 12)"
+    )
     p.add_argument("--interval", type=int, default=5, help="GEMINI capture every N steps (5)")
     p.add_argument(
         "--flush-interval",
@@ -108,6 +118,8 @@ def default_fault_step(steps: int, interval: int) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.steps is None:
+        args.steps = 40
     if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
         raise ConfigError(f"--timeout-s={args.timeout_s}: use a positive number of seconds")
     for name in ("steps", "interval"):
@@ -130,6 +142,9 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.live:
+        live = importlib.import_module("lm_resiliency.cli.demo_live")  # torch only when used
+        return int(live.run(args))
     try:
         _check(args)
         spec = DemoSpec(

@@ -396,6 +396,14 @@ class LiveSession:
                 "cause": change.cause,
                 "reform_s": change.reform_ns / 1e9,
             }
+            adopted = self.status().last_change
+            if adopted is not None:  # the phases of the change (benchmarks/live.py, the demo)
+                fields["change"].update(
+                    t_detect=adopted.t_detect,
+                    t_publish=adopted.t_publish,
+                    adopt_s=adopted.adopt_s,
+                    rebuild_s=adopted.rebuild_s,
+                )
         self._log("mtgs.commit", **fields)
 
     def status(self) -> LiveStatus:

@@ -1,0 +1,134 @@
+"""Live membership on the demo model, 4 replica groups (docs/live-membership.md §8, §10).
+
+    PYTHONPATH=src python benchmarks/live.py [--steps 12] [--pairs 2]
+
+1. One run of ``lm-resiliency demo --live``'s job (replica 1 SIGKILLed in the forward of step
+   8): kill -> first committed step of the survivors, split into detection, agreement, group
+   rebuild and step redo (the redo's commit record carries the adopted change's timings);
+   kill -> full world again and the heal when the heal is built.
+2. Healthy-path steps/s, live membership on (4 replica groups under the launcher, the rate
+   from replica 0's commit times) vs off (the same 4 processes as one plain torchrun DDP +
+   MTGS job), interleaved ``--pairs`` times; the ratio of the medians.
+
+Prints the targets next to the measurements with the machine's load average, then one JSON
+line. A measurement under load is a measurement of that load: read the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from lm_resiliency.cli.demo_live import heal_available
+from lm_resiliency.demo.live_launch import LiveSpec, follow, start
+from lm_resiliency.demo.live_timeline import kill_timeline
+from lm_resiliency.demo.live_worker import SAMPLES
+from lm_resiliency.live.runcheck import check_run, read_events
+from lm_resiliency.testing.torchrun import start_torchrun
+
+_OFF = str(Path(__file__).with_name("_live_off_worker.py"))
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _on_rate(steps: int, warmup: int, work: Path) -> float:
+    spec = LiveSpec(steps=steps, kill_replicas=(), digest_every=0)
+    job = start(spec, work)
+    problem = follow(job, 600)
+    if problem is not None:
+        raise SystemExit(f"live run failed: {problem}\n{job.log_tail()}")
+    ts = {
+        r["step"]: r["ts_ns"] / 1e9
+        for r in read_events(work)
+        if r["event"] == "mtgs.commit" and r["replica"] == 0
+    }
+    return (steps - warmup) / (ts[steps] - ts[warmup])
+
+
+def _off_rate(steps: int, warmup: int, work: Path) -> float:
+    out = work / "off.json"
+    job = start_torchrun(
+        [_OFF, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)],
+        4,
+        workdir=work / "torchrun",
+    )
+    done = job.wait(600)
+    if done.returncode != 0:
+        raise SystemExit(f"off run failed:\n{done.brief()}")
+    return float(json.loads(out.read_text())["steps_per_s"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--healthy-steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=2)
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="lmr-bench-live-"))
+    result: dict[str, object] = {"load_before": _load()}
+    try:
+        kill_dir = root / "kill"
+        kill_dir.mkdir()
+        spec = LiveSpec(steps=args.steps)
+        heal = heal_available()
+        job = start(spec, kill_dir)
+        problem = follow(job, 600, heal_wait_s=30.0 if heal else 0.0)
+        if problem is not None:
+            raise SystemExit(f"kill run failed: {problem}\n{job.log_tail()}")
+        run = check_run(kill_dir, stream=(spec.seed, SAMPLES, spec.global_batch))
+        tl = kill_timeline(kill_dir, run, spec.kill_replicas[0], spec.kill_step)
+        load_kill = _load()
+        on: list[float] = []
+        off: list[float] = []
+        for i in range(args.pairs):
+            for mode, rates, fn in (("on", on, _on_rate), ("off", off, _off_rate)):
+                d = root / f"{mode}-{i}"
+                d.mkdir()
+                rates.append(fn(args.healthy_steps, args.warmup, d))
+        load_healthy = _load()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    cost = 1.0 - statistics.median(on) / statistics.median(off)
+    print(f"kill -> first committed step of the survivors: {tl.first_commit_s:.3f} s   "
+          f"(target <= 1 s, stretch <= 0.3 s; load {load_kill})")  # fmt: skip
+    for name, value in tl.phases().items():
+        print(f"  {name:<14} " + ("n/a" if value is None else f"{value:7.3f} s"))
+    if heal:
+        full = "not reached" if tl.full_world_s is None else f"{tl.full_world_s:.3f} s"
+        print(f"kill -> full world again: {full}")
+    else:
+        print("kill -> full world again: not measured (heal not merged)")
+        print("heal transfer rate: not measured (heal not merged)")
+    print(f"healthy path steps/s, live on:  {', '.join(f'{r:.3f}' for r in on)}")
+    print(f"healthy path steps/s, live off: {', '.join(f'{r:.3f}' for r in off)}")
+    ratio = statistics.median(on) / statistics.median(off)
+    print(
+        f"live membership cost: {cost:+.1%} of steps/s (target <= 2%; on/off = {ratio:.3f}; "
+        f"load {load_healthy})"
+    )
+    result.update(
+        first_commit_s=tl.first_commit_s,
+        phases_s=tl.phases(),
+        full_world_s=tl.full_world_s,
+        heal="measured" if heal else "not measured (heal not merged)",
+        on_steps_per_s=on,
+        off_steps_per_s=off,
+        cost=cost,
+        load_kill=load_kill,
+        load_healthy=load_healthy,
+    )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
