@@ -18,7 +18,7 @@ if __name__ == "__main__":
     replica = int(os.environ["LMR_REPLICA_GROUP"])
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if replica not in chosen or not first:
-        os.environ.pop(KILL_ENV, None)  # a restarted replica only registers and waits
+        os.environ.pop(KILL_ENV, None)  # a restarted replica is healed and rejoins
     elif os.environ.get(KILL_ENV):
         import lm_resiliency._killpoints as kp
 
