@@ -4,8 +4,9 @@
 --nproc-per-group 1``) train the demo model in the plain MTGS loop
 (``lm_resiliency.demo.live_worker``: a ``DataLoader`` with ``batch_sampler=handle.sampler``,
 no exception handling). The chosen replicas die at a ``live.*`` kill point of step 4; their
-torchrun restarts them and they register as joiners (the heal is not built yet) and wait until
-the launcher is torn down. The survivors must go on without restarting: ``check_run`` checks
+torchrun restarts them and they register as joiners; the run ends (7 steps) before their
+admission, and the launcher is torn down (healing and rejoining: test_live_rejoin.py). The
+survivors must go on without restarting: ``check_run`` checks
 the invariants of docs/live-membership.md §9 from the event logs (PIDs unchanged, no step
 skipped or repeated, every sample of every committed step consumed once, equal digests after
 every commit), and the kill in the forward must end bit-identical to a run where the replica

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 import torch
@@ -52,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator-timeout-s", type=float, default=3.0)
     p.add_argument("--join-timeout-s", type=float, default=600.0)
     p.add_argument("--digest-every", type=int, default=1)
+    p.add_argument(
+        "--step-sleep-s",
+        type=float,
+        default=0.0,
+        help="sleep this long in every forward (stands in for a real step's compute)",
+    )
     return p
 
 
@@ -93,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def loss() -> torch.Tensor:
         inputs, targets = next(batches)
         out: torch.Tensor = model(inputs, targets)
+        if args.step_sleep_s:
+            time.sleep(args.step_sleep_s)
         return out
 
     for _ in range(handle.start_step + 1, args.steps + 1):

@@ -25,7 +25,7 @@ from lm_resiliency.frontdoor.live import (
 )
 from lm_resiliency.frontdoor.objects import StateObjects
 from lm_resiliency.frontdoor.resiliency_config import ResiliencyConfig
-from lm_resiliency.frontdoor.resume import resume, resume_from_framework
+from lm_resiliency.frontdoor.resume import RecoveryInfo, resume, resume_from_framework
 from lm_resiliency.frontdoor.schedulers import SchedulerReplay
 from lm_resiliency.frontdoor.transact import attach_faults, build_mtgs, check_faults
 from lm_resiliency.frontdoor.tree import CaptureTree
@@ -181,7 +181,7 @@ def enable_adapter(
     if live_config is not None:
         assert replica is not None
         config = live_gemini_config(config, replica)
-        session = LiveSession.start(live_config)  # registers; waits (bounded) for epoch 0
+        session = LiveSession.start(live_config, injector)  # registers; waits (bounded) for epoch 0
     try:
         manager = _manager(config, layout.group, layout.replica_ranks, fallback)
     except BaseException:
@@ -191,18 +191,24 @@ def enable_adapter(
     checker: Scout | None = None
     installed = False
     try:
+        healed: tuple[int, float] | None = None
         if session is not None and session.membership.joining:
-            session.await_admission()  # a restarted replica: healed by a member, not from memory
+            # A restarted replica: healed by a member; its own (stale) memory is not recovered.
+            healed = session.join(tree)
         if scout_config is not None:
             candidate = save_durable if save_durable is not None else adapter.durable_candidate()
             checker = _scout(scout_config, adapter, layout, manager, candidate)
-        if resumed_step is None:
+        if healed is not None:
+            recovery = RecoveryInfo(
+                healed[0], "heal", ("heal",) * manager.world_size, healed[1], None
+            )
+        elif resumed_step is None:
             recovery = resume(
                 manager, tree.apply, fallback, scout=checker, failure_kind=failure_kind
             )
         else:
             recovery = resume_from_framework(manager, resumed_step)
-        if session is not None:
+        if session is not None and healed is None:
             session.agree_start(recovery.step or 0)
         boundary = CaptureBoundary(
             manager,
@@ -236,7 +242,7 @@ def enable_adapter(
                 later=session.data_state if session is not None else None,
             )
             if session is not None:
-                session.bind(txn, adapter_state_tensors(adapter))
+                session.bind(txn, adapter_state_tensors(adapter), tree)
                 session.script(injector)
         unbind = adapter.bind(WaitOnly(boundary) if txn is not None else boundary)
         if installed:

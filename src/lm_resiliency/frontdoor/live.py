@@ -43,6 +43,7 @@ from lm_resiliency.detection.digest import digest_tensors
 from lm_resiliency.errors import ConfigError, ResiliencyError
 from lm_resiliency.faults import FaultInjector
 from lm_resiliency.faults.schedule import FaultKind
+from lm_resiliency.live import heal
 from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.live.keys import Heartbeat, decode
 from lm_resiliency.live.membership import Change, Membership
@@ -61,6 +62,7 @@ from lm_resiliency.telemetry import EventLog
 from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
 if TYPE_CHECKING:
+    from lm_resiliency.frontdoor.tree import CaptureTree
     from lm_resiliency.integrations.base import Adapter
     from lm_resiliency.transactions import MTGS, StepResult
 
@@ -172,6 +174,8 @@ class LiveSession:
         self.reducer: _KillPointReducer | None = None
         self.txn: MTGS | None = None
         self.leaves: frozenset[int] = frozenset()
+        self.joins: dict[int, frozenset[int]] = {}
+        """Replica -> the steps from which a scripted ``join@R:S`` makes it a member."""
         self._computed: tuple[int, tuple[int, ...]] | None = None
         self.data_state: dict[str, Any] = {}
         """MTGS's later data state (the sampler, once made): restored before every redo."""
@@ -179,11 +183,24 @@ class LiveSession:
         self._digest_of: Callable[[], int] | None = None
         self._redo_start: float | None = None
         self._leaving = False
+        self.capture: CaptureTree | None = None
+        self._full = True
+        """Whether the last epoch adopted held every replica (a loss clears it)."""
+        self._loss_detected: float | None = None
+        """The coordinator's detection time (wall clock) of the first loss since the world
+        was last full: ``live.world_full`` reports the time from it."""
 
     @classmethod
-    def start(cls, config: LiveConfig) -> LiveSession:
-        """Register with the coordinator (waits, bounded, for epoch 0 or joins)."""
-        return cls(config, Membership.from_env(config))
+    def start(cls, config: LiveConfig, faults: FaultInjector | None = None) -> LiveSession:
+        """Register with the coordinator (waits, bounded, for epoch 0 or joins).
+
+        A process that joins a running job asks to be healed at ``S - 1`` when the schedule
+        scripts ``join@R:S`` for its replica (the first such item: one scripted rejoin per
+        replica).
+        """
+        replica = int(os.environ.get("LMR_REPLICA_GROUP", "0"))
+        joins = sorted(_scripted(faults, FaultKind.JOIN).get(replica, ()))
+        return cls(config, Membership.from_env(config, join_at=joins[0] - 1 if joins else 0))
 
     # -- wiring (enable_resiliency) ------------------------------------------------------
 
@@ -227,9 +244,16 @@ class LiveSession:
         )
         return self.reducer
 
-    def bind(self, txn: MTGS, state_tensors: Callable[[], list[torch.Tensor]]) -> None:
-        """Attach the transaction (the step source) and the state the digest covers."""
+    def bind(
+        self,
+        txn: MTGS,
+        state_tensors: Callable[[], list[torch.Tensor]],
+        capture: CaptureTree | None = None,
+    ) -> None:
+        """Attach the transaction (the step source), the state the digest covers, and the
+        capture tree a donor serves to a joiner (``heal.at_boundary``)."""
         self.txn = txn
+        self.capture = capture
 
         def digest() -> int:
             return digest_tensors(state_tensors())
@@ -242,12 +266,10 @@ class LiveSession:
         )
 
     def script(self, faults: FaultInjector | None) -> None:
-        """The steps before which this replica leaves cleanly (``leave@R:S``)."""
-        if faults is None:
-            return
-        self.leaves = frozenset(
-            f.step for f in faults.schedule if f.kind is FaultKind.LEAVE and f.rank == self.replica
-        )
+        """The steps before which this replica leaves cleanly (``leave@R:S``) and the
+        scripted joins (``join@R:S``: the members wait for R's admission after S - 1)."""
+        self.leaves = frozenset(_scripted(faults, FaultKind.LEAVE).get(self.replica, ()))
+        self.joins = _scripted(faults, FaultKind.JOIN)
 
     # -- ShareSource and the data --------------------------------------------------------
 
@@ -279,6 +301,8 @@ class LiveSession:
                 "replica groups: a replica would get no sample; use a global batch of at least "
                 "the replica count"
             )
+        if self.step > 1:  # a healed joiner (or a resumed run): the next draw is this step's
+            sampler.load_state_dict({**sampler.state_dict(), "served": self.step - 1})
         self.sampler_obj, self.global_batch, self.seed = sampler, global_batch, seed
         self.data_state["live_sampler"] = sampler
         if self.reducer is not None:
@@ -343,9 +367,20 @@ class LiveSession:
         self._await_peers_committed(step - 1)
         self.membership.report_failure("leave")
         close()
+        rejoin = [s for s in self.joins.get(self.replica, ()) if s > step]
+        if rejoin:
+            log.warning(
+                "live membership: replica %d leaves before step %d and rejoins at step %d "
+                "(scripted): exit 1, so that its torchrun starts it again",
+                self.replica,
+                step,
+                min(rejoin),
+            )
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)  # a clean exit that runs no Gloo destructor of a group the peers still use
+        # A clean exit that runs no Gloo destructor of a group the peers still use; a scripted
+        # rejoin exits 1 (torchrun restarts only a failed worker).
+        os._exit(1 if rejoin else 0)
 
     def _await_peers_committed(self, step: int) -> None:
         """Wait (bounded by ``reform_timeout_s``) until every member's heartbeat shows ``step``.
@@ -404,7 +439,65 @@ class LiveSession:
                     adopt_s=adopted.adopt_s,
                     rebuild_s=adopted.rebuild_s,
                 )
+            self._note_members()
         self._log("mtgs.commit", **fields)
+        self._boundary(result.step)
+
+    def _boundary(self, step: int) -> None:
+        """Take part in an admission scheduled for ``step`` (one cached read otherwise)."""
+        capture = self.capture
+        if capture is None:
+            return
+        t0 = time.perf_counter()
+        m = self.membership
+        due = [r for r, steps in self.joins.items() if step + 1 in steps and r not in m.members]
+        if due:
+            self._await_scripted_admission(due, step)
+        record = heal.at_boundary(self.membership, step, lambda: capture.build(step))
+        if record is None:
+            return
+        assert self.reducer is not None
+        self.reducer.adopt(record)
+        self._log(
+            "live.admission",
+            step=step,
+            epoch=record.epoch,
+            reason=record.reason,
+            cause=record.cause,
+            members=list(record.members),
+            donor=self.replica == min(self.membership.members),
+            seconds=time.perf_counter() - t0,
+        )
+        self._note_members()
+
+    def _await_scripted_admission(self, due: list[int], step: int) -> None:
+        """A scripted ``join@R:step+1``: wait (bounded) until R's admission is scheduled."""
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while self.membership.admission() is None:
+            if time.monotonic() > deadline:
+                raise CoordinatorLost(
+                    f"replicas {due} are scripted to join at step {step + 1} but no admission "
+                    f"was scheduled within join_timeout_s={self.config.join_timeout_s:g}"
+                )
+            if self.membership.failed() is not None:
+                return  # a loss first: the next step's collective fails and reforms
+            time.sleep(self.config.poll_slice_s)
+
+    def _note_members(self) -> None:
+        """Track losses and log ``live.world_full`` when every replica is a member again."""
+        m = self.membership
+        change = m.last_change
+        full = len(m.members) == m.replicas
+        if not full and self._full and change is not None:
+            self._loss_detected = change.t_detect
+        if full and not self._full:
+            since = None if self._loss_detected is None else time.time() - self._loss_detected
+            self._log("live.world_full", epoch=m.epoch, members=list(m.members),
+                      since_loss_s=since, step=self.step - 1)  # fmt: skip
+            if since is not None:
+                log.info("live membership: full world again %.2f s after the loss", since)
+            self._loss_detected = None
+        self._full = full
 
     def status(self) -> LiveStatus:
         m = self.membership
@@ -420,28 +513,46 @@ class LiveSession:
             last_change=change,
         )
 
-    def await_admission(self) -> None:
-        """A replica restarted after the run began waits, bounded, to be admitted.
+    def join(self, capture: CaptureTree) -> tuple[int, float]:
+        """A replica restarted after the run began: healed by a member, then admitted.
 
-        The admission and the heal (docs/live-membership.md §6) are not built in this slice:
-        the wait ends with ``CoordinatorLost`` after ``join_timeout_s`` (or the launcher's
-        teardown ends the process first).
+        Its own memory slot is stale and is not recovered from. It waits (bounded by
+        ``join_timeout_s``) for an admission naming it, receives the donor's capture tree of
+        step h, applies it through the restore path (``CaptureTree.apply``, what recovery
+        applies), acks its digest and adopts the epoch that admits it. Returns ``(h,
+        seconds)``: training goes on at h + 1. Raises ``CoordinatorLost`` (no admission in
+        time) and ``HealFailed`` when the loaded state does not match the donor's.
         """
         self._log("live.joining", epoch=self.membership.epoch)
         log.warning(
             "live membership: replica %d restarted after the run began; it registered as a "
-            "joiner and waits (at most join_timeout_s=%g s) to be admitted",
+            "joiner and waits (at most join_timeout_s=%g s) to be healed and admitted",
             self.replica,
             self.config.join_timeout_s,
         )
-        deadline = time.monotonic() + self.config.join_timeout_s
-        while self.membership.joining:
-            if time.monotonic() > deadline:
-                raise CoordinatorLost(
-                    f"replica {self.replica} was not admitted within join_timeout_s="
-                    f"{self.config.join_timeout_s:g}"
-                )
-            time.sleep(self.config.poll_slice_s)
+        t0 = time.perf_counter()
+
+        def load(tree: Any) -> Any:
+            step = capture.apply(tree)
+            return capture.build(step)
+
+        record, healed = heal.join(self.membership, load)
+        seconds = time.perf_counter() - t0
+        self.membership.set_committed(healed.step)
+        self._full = len(record.members) == self.membership.replicas
+        self._log("live.healed", step=healed.step, epoch=record.epoch,
+                  members=list(record.members), nbytes=healed.nbytes, seconds=seconds,
+                  transfer_s=healed.transfer_s)  # fmt: skip
+        log.info(
+            "live membership: replica %d healed from a member at step %d (%.1f MB, transfer "
+            "%.3f s) and admitted at epoch %d",
+            self.replica,
+            healed.step,
+            healed.nbytes / 1e6,
+            healed.transfer_s,
+            record.epoch,
+        )
+        return healed.step, seconds
 
     def finish(self) -> None:
         """At the end of training: wait (bounded) until every member has finished too.
@@ -526,6 +637,15 @@ class _KillPointReducer(LiveReducer):
     def reweigh(self) -> None:
         """Recompute this replica's weight (the global batch became known)."""
         self._weight = float(self.weight_fn(self.members, self.view.replica))
+
+
+def _scripted(faults: FaultInjector | None, kind: FaultKind) -> dict[int, frozenset[int]]:
+    """Replica -> the steps of the schedule's ``kind`` items (``leave``/``join``) for it."""
+    out: dict[int, set[int]] = {}
+    for f in faults.schedule if faults is not None else ():
+        if f.kind is kind:
+            out.setdefault(f.rank, set()).add(f.step)
+    return {r: frozenset(s) for r, s in out.items()}
 
 
 def adapter_state_tensors(adapter: Adapter) -> Callable[[], list[torch.Tensor]]:

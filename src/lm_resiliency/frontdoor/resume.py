@@ -38,7 +38,8 @@ class RecoveryInfo:
     """What ``enable_resiliency`` recovered (``handle.last_recovery``), identical on every rank.
 
     ``step``: the step training resumes after (``None``: a fresh start);
-    ``source``: ``"gemini"``, ``"fallback"`` or ``"fresh"``; ``sources``: each
+    ``source``: ``"gemini"``, ``"fallback"``, ``"fresh"`` or ``"heal"`` (live membership: a
+    restarted replica healed from a member's state, docs/live-membership.md §6); ``sources``: each
     rank's source in group-rank order (``"own memory"``, ``"peer disk"``,
     ``"fallback"``, ...); ``seconds``: this rank's wall time for the whole
     recovery (agreement, fetch, apply); ``report``: the manager's

@@ -518,6 +518,15 @@ class Coordinator:
         """
         donor = min(self.members)
         step = self.heal_step()
+        asked = max((j.at_step for j in joiner.ranks.values()), default=0)
+        newest = max((m.committed for m in self._ranks.values() if not m.dead), default=0)
+        if asked:
+            if asked >= newest:
+                step = asked  # a scripted join@R:S: the members wait for it after S - 1
+            else:
+                _log.warning("replica %d asked to be healed at step %d, but the members "
+                             "committed step %d already; healing at step %d", joiner.replica,
+                             asked, newest, step)  # fmt: skip
         incs = {g: j.inc for g, j in joiner.ranks.items()}
         base = self.epoch
         t = time.time()

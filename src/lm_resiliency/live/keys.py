@@ -187,6 +187,8 @@ class Join:
     host: str
     pid: int
     slot_step: int = 0
+    at_step: int = 0
+    """The heal step a scripted ``join@R:S`` asks for (``S - 1``); 0: the coordinator's."""
 
 
 _Record = TypeVar("_Record", CoordRecord, EpochRecord, Heartbeat, Failure, Ack, Join)

@@ -158,7 +158,9 @@ class Membership:
         replica: int,
         replicas: int,
         group_rank: int,
+        join_at: int = 0,
     ) -> None:
+        self._join_at = join_at
         if not 0 <= replica < replicas:
             raise ConfigError(
                 f"replica group {replica} is outside 0..{replicas - 1} (LMR_REPLICA_GROUP must "
@@ -188,9 +190,17 @@ class Membership:
 
     @classmethod
     def from_env(
-        cls, config: LiveConfig | None = None, env: Mapping[str, str] | None = None
+        cls,
+        config: LiveConfig | None = None,
+        env: Mapping[str, str] | None = None,
+        *,
+        join_at: int = 0,
     ) -> Membership:
-        """Register from the launcher's environment (docs/live-membership.md §1)."""
+        """Register from the launcher's environment (docs/live-membership.md §1).
+
+        ``join_at``: when this process joins a running job, the heal step it asks for (a
+        scripted ``join@R:S`` asks for ``S - 1``); 0 lets the coordinator choose.
+        """
         env = os.environ if env is None else env
         address = env.get("LMR_LIVE_COORDINATOR", "")
         host, _, port = address.rpartition(":")
@@ -207,6 +217,7 @@ class Membership:
             replica=_env_int(env, "LMR_REPLICA_GROUP", None),
             replicas=_env_int(env, "LMR_REPLICA_GROUPS", None),
             group_rank=_env_int(env, "RANK", 0),
+            join_at=join_at,
         )
 
     # -- MembershipView ------------------------------------------------------------------
@@ -321,7 +332,7 @@ class Membership:
     def register_join(self, slot_step: int = 0) -> None:
         """Register this rank as joining (``join/<r>/<g>``); the admission is the heal's."""
         record = Join(inc=self.incarnation, host=os.uname().nodename, pid=os.getpid(),
-                      slot_step=slot_step)  # fmt: skip
+                      slot_step=slot_step, at_step=self._join_at)  # fmt: skip
         key = self._keys.join(self._replica, self._group_rank)
         self._ask(lambda s: s.set(key, encode_text(record)))
         self.joining = True

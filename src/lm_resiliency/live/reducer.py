@@ -7,6 +7,8 @@ Call order (training thread)::
     txn = MTGS(ddp, opt, reducer=reducer)             # the hook reduces through it
     ...                                               # a lost replica: MTGS calls
     reducer.reform(report)                            # ack, wait for E+1, rebuild the group
+    ...                                               # an admission at a step boundary:
+    reducer.adopt(record)                             # the epoch heal.at_boundary returned
 
 ``weight_fn(members, replica)`` gives this replica's share of the global batch
 (``n_i / B``, docs/live-membership.md §5); the default is an equal share ``1/len(members)``.
@@ -21,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from lm_resiliency.live.group import CrossReplicaGroup
-from lm_resiliency.live.keys import Ack
+from lm_resiliency.live.keys import Ack, EpochRecord
 from lm_resiliency.live.view import MembershipView
 from lm_resiliency.transactions.reducer import LossReport, Reformed
 
@@ -131,6 +133,20 @@ class LiveReducer:
         self.group = self._adopt(self.group.successor(epoch=record.epoch, members=record.members))
         self.last_reform_s = time.perf_counter() - t0
         return Reformed(epoch=record.epoch, members=record.members, resume_step=record.resume_step)
+
+    def adopt(self, record: EpochRecord) -> None:
+        """Rebuild the group for ``record``, an epoch adopted at a step boundary (collective).
+
+        The outcome of an admission (``heal.at_boundary``): the joiner admitted, the admission
+        cancelled, or a loss during it. No step is in flight, so this epoch's group is
+        abandoned without a failure report, and the members of ``record`` build its group.
+        """
+        if record.epoch == self.group.epoch:
+            return
+        t0 = time.perf_counter()
+        self.group.abandon(f"membership epoch {record.epoch} ({record.reason})")
+        self.group = self._adopt(self.group.successor(epoch=record.epoch, members=record.members))
+        self.last_reform_s = time.perf_counter() - t0
 
     def _adopt(self, group: CrossReplicaGroup) -> CrossReplicaGroup:
         members = group.members

@@ -5,8 +5,10 @@ front door writes them when ``LMR_LIVE_EVENTS`` names the folder) and raises
 ``AssertionError`` naming the first broken invariant:
 
 * the survivors' PIDs never change: every replica that committed the run's last step did so
-  in the process that committed its first one;
-* each process's commit log is ``1, 2, ..., k``: no step skipped or repeated;
+  in the process that committed its first one, or, after it was lost, in processes that were
+  healed and admitted (``live.healed``);
+* each process's commit log is ``1, 2, ..., k``, or ``h+1, ..., k`` for a process healed at
+  step ``h``: no step skipped or repeated per incarnation;
 * every sample id of every committed step is consumed exactly once: the shares of the
   members that committed it, drawn under the epoch of the commit, together hold the step's
   global batch once (``stream=(seed, dataset_len, global_batch)`` also checks it is
@@ -43,6 +45,19 @@ class LiveRun:
     """The replicas that stopped committing before the last step."""
     pids: dict[int, list[int]] = field(default_factory=dict)
     """Replica -> the pids that wrote its events, in order of appearance."""
+    healed: dict[int, int] = field(default_factory=dict)
+    """Pid -> the step it was healed at (a restarted replica admitted again)."""
+    world_full: list[dict[str, Any]] = field(default_factory=list)
+    """The ``live.world_full`` records (every replica a member again after a loss)."""
+
+    @property
+    def rejoined(self) -> tuple[int, ...]:
+        """The replicas with a healed incarnation."""
+        return tuple(r for r, ps in sorted(self.pids.items()) if set(ps) & set(self.healed))
+
+    def world_full_time(self) -> float:
+        """The wall time (s) of the first ``live.world_full`` record."""
+        return float(min(r["ts_ns"] for r in self.world_full)) / 1e9
 
     def digest_at(self, step: int) -> str | None:
         digests = {c.get("digest") for c in self.commits.get(step, [])}
@@ -83,11 +98,19 @@ def check_run(
     samples: dict[tuple[int, int, int], list[int]] = {}  # (pid, step, epoch) -> last draw
     for pid, recs in by_pid.items():
         steps = [r["step"] for r in recs if r["event"] == "mtgs.commit"]
-        assert steps == list(range(1, len(steps) + 1)), (
-            f"pid {pid} (replica {recs[0]['replica']}) committed steps {steps}: a step was "
-            "skipped or repeated"
+        healed = [r["step"] for r in recs if r["event"] == "live.healed"]
+        first = 1
+        if healed:
+            run.healed[pid] = first = healed[0]
+            first += 1
+        assert steps == list(range(first, first + len(steps))), (
+            f"pid {pid} (replica {recs[0]['replica']}) committed steps {steps}"
+            + (f" after its heal at step {first - 1}" if healed else "")
+            + ": a step was skipped or repeated"
         )
         for r in recs:
+            if r["event"] == "live.world_full":
+                run.world_full.append(r)
             if r["event"] == "mtgs.commit":
                 run.commits.setdefault(r["step"], []).append(r)
             elif r["event"] == "live.sample":
@@ -98,7 +121,8 @@ def check_run(
     run.lost = tuple(sorted(set(run.pids) - set(run.survivors)))
     for replica in run.survivors:
         committing = {c["pid"] for s in run.commits.values() for c in s if c["replica"] == replica}
-        assert len(committing) == 1, (
+        committing -= set(run.healed)  # healed incarnations of a lost replica
+        assert len(committing) <= 1, (
             f"survivor replica {replica} committed from several processes {sorted(committing)}: "
             "its PID changed (a survivor was restarted)"
         )
