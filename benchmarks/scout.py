@@ -27,7 +27,7 @@ In one run, on real Gloo ranks (CPU):
 
 Prints a table and one JSON line. Not part of the test suite.
 Usage: python benchmarks/scout.py [--world 2] [--rounds 4] [--steps 40] [--trials 6]
-       [--models demo wider] [--quick]
+       [--models demo wider] [--quick] [--fixed N]
 """
 
 from __future__ import annotations
@@ -294,6 +294,56 @@ def _floor(scout: Scout, reps: int = 15) -> dict[str, Any]:
     return {"blocks": rows}
 
 
+def _fixed(rank: int, world: int, checks: int) -> dict[str, Any]:
+    """The fixed cost of a check outside its exchange, in isolation (minimums over ``checks``).
+
+    The heterogeneous MLP (small blocks), one synchronous check per step after a
+    barrier; per check: the replay of its block minus that block's bare forward and
+    backward (isolation, input drawing, digests, the optimizer recipe's parameter
+    digest) and the rest outside the exchange (planning and posting the next spec,
+    assessment, composition, certification, record). The exchange (waits and posting
+    the collectives) is excluded: on a loaded host it is scheduling.
+    """
+    torch.manual_seed(0)
+    model = hetero_mlp()
+    x = torch.randn(8, 128)
+    scout = Scout(ScoutConfig(interval=1, pipeline=False), model)
+    bare: dict[int, float] = {}
+    rows: list[tuple[int, float, float, float]] = []
+    for step in range(1, checks + 1):
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        r = scout.check(step)
+        total = time.perf_counter() - t0
+        block = int(r.recipe.split("[", 1)[1].split("]", 1)[0]) if "[" in r.recipe else -1
+        tm = r.timings
+        rows.append((block, total, tm["replay"], tm["exchange"] + tm.get("post", 0.0)))
+    docs: list[Any] = [None]  # the source's signatures, for every rank's bare passes
+    if scout.recorder is not None:
+        docs = [[_enc(scout.recorder.signature(b.index)) for b in scout.blocks]]
+    dist.broadcast_object_list(docs, src=0, group=scout.channel.world)
+    _paused(scout, True)
+    for b, doc in zip(scout.blocks, docs[0], strict=True):
+        if doc is not None:
+            bare[b.index] = min(bare_pass(b.module, decode(doc), i) for i in range(200))
+    _paused(scout, False)
+    scout.close()
+    rows = [row for row in rows[20:] if row[0] in bare]  # warm-up
+    replay_extra = [rep - bare[b] for b, _, rep, _ in rows]
+    outside = [total - rep - ex for _, total, rep, ex in rows]
+    fixed = [total - ex - bare[b] for b, total, _, ex in rows]
+    return {
+        "checks": len(rows),
+        "fixed_min_s": min(fixed),
+        "fixed_median_s": statistics.median(fixed),
+        "replay_over_bare_min_s": min(replay_extra),
+        "outside_replay_min_s": min(outside),
+        "bare_min_s": {scout.blocks[i].label: v for i, v in bare.items()},
+    }
+
+
 def _enc(sig: CallSignature | None) -> Any:
     return None if sig is None else encode(sig)
 
@@ -527,7 +577,25 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["demo", "wider", "mlp"], choices=sorted(MODELS))
     ap.add_argument("--exchange-worlds", nargs="+", type=int, default=[2, 4, 16])
     ap.add_argument("--quick", action="store_true", help="2 rounds of 20 steps, 2 trials")
+    ap.add_argument(
+        "--fixed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only the fixed cost outside the exchange, minimums over N checks (2 ranks)",
+    )
     args = ap.parse_args()
+    if args.fixed:
+        res = run_distributed(_fixed, 2, args=(args.fixed,), timeout_s=1800, pg_timeout_s=600)
+        for rank, f in enumerate(res):
+            print(
+                f"rank {rank}: fixed cost outside the exchange {f['fixed_min_s'] * 1e3:.3f} ms"
+                f" (min of {f['checks']} checks; median {f['fixed_median_s'] * 1e3:.3f} ms):"
+                f" replay beyond the bare pass {f['replay_over_bare_min_s'] * 1e3:.3f} ms,"
+                f" outside the replay {f['outside_replay_min_s'] * 1e3:.3f} ms"
+            )
+        print(json.dumps({"fixed": res, "target_fixed_s": 0.0003}))
+        return
     if args.quick:
         args.rounds, args.steps, args.trials = 2, 20, 2
     print(f"SCOUT, DDP x{args.world} (CPU, Gloo), check interval {INTERVAL}")

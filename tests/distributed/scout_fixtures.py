@@ -207,3 +207,33 @@ def digest(tree: Any) -> str:
 
     walk(tree, "")
     return h.hexdigest()
+
+
+class Verdicts:
+    """Every check's result by step, recorded when it becomes known.
+
+    With the pipelined verdict (the default) a boundary check at step ``s`` is
+    resolved at the next pre-step hook (``manager.maybe_wait()``) or the next SCOUT
+    call: ``before_capture(s)`` returns True provisionally, the capture is held,
+    and ``last_result`` is step ``s``'s verdict only afterwards. Call
+    :meth:`collect` after every resolving call; a capture taken at ``s`` was kept
+    exactly when ``results[s].capture_allowed``.
+    """
+
+    def __init__(self, scout: Any) -> None:
+        self.scout = scout
+        self.results: dict[int, Any] = {}
+        self.held: list[int] = []
+        """Steps whose capture was launched (``before_capture`` returned True)."""
+
+    def collect(self) -> Any:
+        """Record the newest resolved result; returns it when it is new, else ``None``."""
+        r = self.scout.last_result
+        if r is None or self.scout.pending == r.step or self.results.get(r.step) is r:
+            return None
+        self.results[r.step] = r
+        return r
+
+    def captured(self) -> list[int]:
+        """The launched captures whose verdict kept them (call after the last resolve)."""
+        return [s for s in self.held if self.results[s].capture_allowed]

@@ -16,8 +16,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lm_resiliency import InMemoryCkptConfig, RecoveryMode, ScoutConfig, enable_resiliency
 from lm_resiliency.detection import ScoutStatus
+from lm_resiliency.detection.result import CHECK_EVENT
 from lm_resiliency.faults import ComputeFaults, PersistentSDC
 from lm_resiliency.models import GPTConfig, SyntheticTokens, TinyGPT
+from lm_resiliency.telemetry import EventLog
 from lm_resiliency.testing import run_distributed
 
 GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
@@ -60,8 +62,12 @@ def _job(rank: int, world: int, tmp: str, faulty: bool) -> dict:
     )
     faults.arm()
     faults.install(opt)
+    # Every check's result as it resolves (pipelined: a boundary's verdict is known at the
+    # next step's pre-step hook, so h.last_scout after opt.step() is an older check's).
+    events = EventLog(rank=rank)
+    assert h.scout is not None
+    h.scout.events = events
     digests = {}
-    statuses = {}
     for step in range(h.start_step + 1, STEPS + 1):  # the plain loop
         inputs, targets = next(data)
         ddp(inputs, targets).backward()
@@ -69,9 +75,12 @@ def _job(rank: int, world: int, tmp: str, faulty: bool) -> dict:
         opt.zero_grad()
         if step % INTERVAL == 0:
             digests[step] = _digest(model, opt)
-            last = h.last_scout
-            statuses[step] = (last.status, tuple(last.faulty_ranks)) if last else None
     h.manager.wait_persisted()
+    statuses = {
+        e["step"]: (ScoutStatus(e["status"]), tuple(e["faulty_ranks"]))
+        for e in events.records
+        if e["event"] == CHECK_EVENT
+    }
     out.update(
         digests=digests,
         statuses=statuses,
@@ -90,7 +99,9 @@ def test_sdc_blocks_captures_and_the_restart_recovers_the_certified_step(tmp_pat
             assert (accepted(status), faulty) == (ScoutStatus.HEALTHY, ())
         # the first check after the onset; the majority of 3 names rank 1
         assert o["statuses"][15] == (ScoutStatus.SDC, (1,))
-        assert (o["captures"], o["skipped"]) == (2, 2)  # 15 rejected, 20 latched
+        # 15 launched before its verdict, held and discarded at step 16's pre-step hook
+        # (counted as skipped); 20 latched
+        assert (o["captures"], o["skipped"]) == (2, 2)
     again = run_distributed(_job, 3, args=(str(tmp_path), False), timeout_s=240)
     for rank, o in enumerate(again):
         assert o["decision"] == ("sdc", RecoveryMode.RECOVERY_VERIFIED, 10)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scout_fixtures import Trainer, accepted, digest
+from scout_fixtures import Trainer, Verdicts, accepted, digest
 
 from lm_resiliency import InMemoryCkptConfig, RecoveryMode
 from lm_resiliency.detection import (
@@ -70,29 +70,37 @@ def _dynamic_job(rank: int, world: int, tmp: str) -> dict:
     faults.arm()
     faults.install(t.opt)
     table, captured = {}, {}
-    for step in range(1, 31):
-        manager.maybe_wait()
-        t.step()
-        if step % manager.config.interval != 0:
-            scout.maybe_check(step)
-        else:
-            if scout.before_capture(step):
-                manager.save(t.state(step), step)
-                captured[step] = digest(t.state(step))
-                scout.after_capture(step)
+    seen = Verdicts(scout)
+
+    def resolved() -> None:  # pipelined: a boundary's verdict is known at the next hook
+        r = seen.collect()
+        if r is not None and r.step % manager.config.interval == 0:
             manager.trust.wait()
-            r = scout.last_result
-            table[step] = {
+            table[r.step] = {
                 "status": r.status,
                 "cycle": r.complete_cycle,
                 "candidate": scout.certifier.candidate,
                 "verified": manager.find_latest(RecoveryMode.RECOVERY_VERIFIED),
             }
-    manager.wait_persisted(timeout_s=60)
+
+    for step in range(1, 31):
+        manager.maybe_wait()
+        resolved()
+        t.step()
+        if step % manager.config.interval != 0:
+            scout.maybe_check(step)
+        elif scout.before_capture(step):
+            manager.save(t.state(step), step)
+            captured[step] = digest(t.state(step))
+            seen.held.append(step)
+            scout.after_capture(step)
+    manager.wait_persisted(timeout_s=60)  # resolves step 30's verdict
+    resolved()
     status = manager.store().sidecar.status()
     out = {
         "table": table,
-        "captured": captured,
+        "captured": {s: captured[s] for s in seen.captured()},
+        "held": seen.held,
         "candidates": candidates,
         "rejected": status.rejected,
         "sidecar_verified": status.verified_history,
@@ -139,6 +147,7 @@ def test_dynamic_catalog_certification_is_job_wide_and_a_restart_recovers_verifi
         assert got == expected, f"rank {rank}"
         # Every rank, also those of the clean group [0, 2], rejects and skips step 30.
         assert sorted(o["captured"]) == [5, 10, 15, 20, 25]
+        assert o["held"] == [5, 10, 15, 20, 25, 30]  # 30 launched, held, then discarded
         assert o["candidates"] == [10, 20]
         assert [s for s, _ in o["rejected"]] == [20]
         assert o["sidecar_verified"] == (10,)

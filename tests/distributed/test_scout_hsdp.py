@@ -23,8 +23,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lm_resiliency import InMemoryCkptConfig, ScoutConfig, enable_resiliency
+from lm_resiliency.detection.result import CHECK_EVENT
 from lm_resiliency.faults import ComputeFaults, PersistentSDC
 from lm_resiliency.models import SyntheticTokens
+from lm_resiliency.telemetry import EventLog
 from lm_resiliency.testing import run_distributed
 
 _INTERVAL, _STEPS, _ONSET = 2, 12, 5
@@ -48,25 +50,34 @@ def _train(rank: int, world: int, folder: str, mode: str) -> dict[str, Any]:
         faults = ComputeFaults([sdc], rank=rank)
         faults.arm()
         faults.install(opt)
-    checks = []
-    for step in range(resiliency.start_step + 1, _STEPS + 1):  # the plain loop
+    # Every check's result as it resolves (pipelined: a boundary's verdict is known at the
+    # next step's pre-step hook, or at close for the last one).
+    events = EventLog(rank=rank)
+    if resiliency.scout is not None:
+        resiliency.scout.events = events
+    for _ in range(resiliency.start_step + 1, _STEPS + 1):  # the plain loop
         inputs, targets = next(loader)
         nn.functional.cross_entropy(model(inputs).view(-1, 32), targets.reshape(-1)).backward()
         opt.step()
         opt.zero_grad()
-        last = resiliency.last_scout
-        if last is not None and last.step == step:
-            checks.append((step, last.status.value, last.recipe, last.reason))
+    params = {
+        n: p.to_local().detach().clone().view(-1).view(torch.uint8).numpy().tobytes()
+        for n, p in model.named_parameters()
+    }
+    latest = resiliency.manager.find_latest()
+    resiliency.close()
+    checks = [
+        (e["step"], e["status"], e["recipe"], e["reason"])
+        for e in events.records
+        if e["event"] == CHECK_EVENT
+    ]
     out = {
         "checks": checks,
         "captures": resiliency.stats.captures,
         "skipped": resiliency.stats.skipped,
-        "params": {
-            n: p.to_local().detach().clone().view(-1).view(torch.uint8).numpy().tobytes()
-            for n, p in model.named_parameters()
-        },
+        "latest": latest,
+        "params": params,
     }
-    resiliency.close()
     return out
 
 
@@ -93,7 +104,10 @@ def test_hsdp_replays_agree_leave_training_untouched_and_catch_an_sdc(tmp_path: 
         assert statuses[6] == "inconclusive", sdc["checks"]
         reason = next(r for s, _, _, r in sdc["checks"] if s == 6)
         assert "[1, 3]" in reason and "inconclusive" in reason, reason
+        # 2 and 4 kept; 6 launched before its verdict, held and discarded unpublished when it
+        # resolved at step 7's pre-step hook (counted as skipped), every later one latched
         assert (sdc["captures"], sdc["skipped"]) == (2, len(checks_at) - 2), sdc
+        assert sdc["latest"] == 4 and clean["latest"] == checks_at[-1], (sdc, clean)
     # the replicas along the replicate dimension still hold identical shards
     assert ranks[0]["clean"]["params"] == ranks[2]["clean"]["params"]
     assert ranks[1]["clean"]["params"] == ranks[3]["clean"]["params"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from scout_fixtures import Trainer, accepted, digest
+from scout_fixtures import Trainer, Verdicts, accepted, digest
 
 from lm_resiliency import InMemoryCkptConfig, RecoveryMode
 from lm_resiliency.detection import Scout, ScoutConfig, ScoutStatus
@@ -37,10 +37,13 @@ def _manager(tmp: str, run_id: str) -> InMemoryCheckpointManager:
     return InMemoryCheckpointManager(cfg)
 
 
-def _sdc_run(rank: int, world: int, tmp: str, faulty: int, steps: int, ddp: bool) -> dict:
+def _sdc_run(
+    rank: int, world: int, tmp: str, faulty: int, steps: int, ddp: bool, pipeline: bool
+) -> dict:
     t = Trainer("gpt", rank=rank, world=world, ddp=ddp)
     manager = _manager(tmp, f"sdc-{world}")
-    scout = Scout(ScoutConfig(interval=1), t.net, manager=manager.trust, interval=INTERVAL)
+    config = ScoutConfig(interval=1, pipeline=pipeline)
+    scout = Scout(config, t.net, manager=manager.trust, interval=INTERVAL)
     assert scout.blocks[BLOCK_AT_15].module is t.model.blocks[0]
     faults = ComputeFaults(
         [PersistentSDC(rank=faulty, module=t.model.blocks[0], from_step=ONSET)], rank=rank
@@ -48,19 +51,24 @@ def _sdc_run(rank: int, world: int, tmp: str, faulty: int, steps: int, ddp: bool
     faults.arm()
     faults.install(t.opt)
     captured: dict[int, str] = {}
-    results = {}
+    seen = Verdicts(scout)  # pipelined: step s's verdict is known at the next maybe_wait
     for step in range(1, steps + 1):  # the plain loop
         manager.maybe_wait()  # the previous capture is complete before parameters change
+        seen.collect()
         t.step()
         if step % manager.config.interval == 0:
             if scout.before_capture(step):
                 manager.save(t.state(step), step)
                 captured[step] = digest(t.state(step))
+                seen.held.append(step)
                 scout.after_capture(step)
-            results[step] = scout.last_result
+            if not pipeline:  # synchronous: the verdict is known at the boundary itself
+                assert scout.pending is None and scout.last_result.step == step
         else:
             scout.maybe_check(step)
     manager.maybe_wait()
+    seen.collect()
+    results = {s: r for s, r in seen.results.items() if s % INTERVAL == 0}
     verified = manager.find_latest(RecoveryMode.RECOVERY_VERIFIED)
     latest = manager.find_latest()
     loaded = manager.load(verified, mode=RecoveryMode.RECOVERY_VERIFIED)
@@ -68,7 +76,8 @@ def _sdc_run(rank: int, world: int, tmp: str, faulty: int, steps: int, ddp: bool
         "results": {
             s: (r.status, r.faulty_ranks, r.capture_allowed, r.reason) for s, r in results.items()
         },
-        "captured": sorted(captured),
+        "captured": seen.captured(),
+        "held": sorted(captured),
         "verified": verified,
         "latest": latest,
         "bit_identical": digest(loaded) == captured[verified],
@@ -82,11 +91,15 @@ def _sdc_run(rank: int, world: int, tmp: str, faulty: int, steps: int, ddp: bool
 
 # DDP peers, and replicas kept identical by an explicit gradient all-reduce (no DDP import
 # cost: DDP's first construction imports torch._dynamo, seconds per process here).
-@pytest.mark.parametrize(("world", "faulty", "ddp"), [(3, 1, True), (4, 2, False)])
+# ``pipeline=False``: the synchronous check (verdict at the boundary, nothing launched at 15).
+@pytest.mark.parametrize(
+    ("world", "faulty", "ddp", "pipeline"),
+    [(3, 1, True, True), (4, 2, False, True), (3, 1, False, False)],
+)
 def test_persistent_sdc_is_found_at_the_first_check_attributed_and_its_capture_skipped(
-    tmp_path: Path, world: int, faulty: int, ddp: bool
+    tmp_path: Path, world: int, faulty: int, ddp: bool, pipeline: bool
 ) -> None:
-    out = run(world, faulty, tmp_path, steps=20, ddp=ddp)
+    out = run(world, faulty, tmp_path, steps=20, ddp=ddp, pipeline=pipeline)
     for rank, o in enumerate(out):
         res = o["results"]
         assert [accepted(res[s][0]) for s in (5, 10)] == [ScoutStatus.HEALTHY] * 2
@@ -96,7 +109,9 @@ def test_persistent_sdc_is_found_at_the_first_check_attributed_and_its_capture_s
         # Latched: step 20's check replays another block (clean), yet nothing after the
         # SDC is captured or certified until a verified recovery.
         assert not res[20][2] and "latched: SDC found at step 15" in res[20][3]
-        assert o["captured"] == [5, 10]
+        # Pipelined: the capture at 15 was launched before its verdict (held uncommitted)
+        # and discarded when the verdict resolved at step 16's pre-step hook.
+        assert o["held"] == ([5, 10, 15] if pipeline else [5, 10]) and o["captured"] == [5, 10]
         assert (o["verified"], o["latest"]) == (10, 10)
         assert o["bit_identical"], f"rank {rank}: verified state differs from its capture"
         assert o["verdict"] is not None and o["verdict"].step == 15
@@ -113,10 +128,11 @@ def test_two_peers_disagreeing_is_inconclusive_and_blocks_the_capture(tmp_path: 
         assert o["verdict"] is not None
 
 
-def run(world: int, faulty: int, tmp: Path, *, steps: int, ddp: bool) -> list[dict]:
-    return run_distributed(
-        _sdc_run, world, args=(str(tmp), faulty, steps, ddp), timeout_s=150, pg_timeout_s=60
-    )
+def run(
+    world: int, faulty: int, tmp: Path, *, steps: int, ddp: bool, pipeline: bool = True
+) -> list[dict]:
+    args = (str(tmp), faulty, steps, ddp, pipeline)
+    return run_distributed(_sdc_run, world, args=args, timeout_s=150, pg_timeout_s=60)
 
 
 def _straggler(rank: int, world: int, tmp: str) -> dict:

@@ -69,7 +69,7 @@ def test_verified_recovery_after_a_layer_fault_restores_the_pre_onset_step(
 def test_a_crash_while_a_verdict_is_pending_recovers_the_previous_verified_step(
     tmp_path: Path,
 ) -> None:
-    """Pipelined verdict (``ScoutConfig(pipeline=True)``), no fault, rank 1 SIGKILLed when it
+    """Pipelined verdict (the default ``ScoutConfig()``), no fault, rank 1 SIGKILLed when it
     draws the batch of step 41: step 40's capture is held and its verdict pending (it
     resolves in the pre-step hook of 41). With a rotation over five recipes, check 35
     verified steps 5 and 10; check 40 would verify 15 and 20, but never resolved. The
@@ -78,7 +78,7 @@ def test_a_crash_while_a_verdict_is_pending_recovers_the_previous_verified_step(
     out = tmp_path / "out"
     out.mkdir()
     args = ["--out", str(out), "--steps", "45", "--disk-folder", str(tmp_path / "disk")]
-    args += ["--onset", "1000000", "--kill-step", "41", "--pipeline"]
+    args += ["--onset", "1000000", "--kill-step", "41"]
     run = run_torchrun(
         [_WORKER, *args],
         _WORLD,

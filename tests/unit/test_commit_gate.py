@@ -67,3 +67,15 @@ def test_close_with_an_undecided_gate_drops_it_without_resolving() -> None:
     engine.wait_captured()
     engine.close()  # the exit path: never a collective, never a wait on nobody
     assert not called.is_set() and gate.accepted is False and engine.stats.discarded == 1
+
+
+def test_decision_listeners_run_once_with_the_first_decision() -> None:
+    """The front door counts a discarded held capture as skipped through ``on_decided``."""
+    seen: list[bool] = []
+    gate = CommitGate(4, lambda: gate.decide(False, "sdc"))
+    gate.on_decided(seen.append)
+    assert seen == []  # undecided: nothing yet
+    gate.resolve()
+    gate.decide(True)  # ignored: the first decision wins, listeners are not called again
+    gate.on_decided(seen.append)  # already decided: called at once with the decision
+    assert seen == [False, False] and gate.accepted is False

@@ -485,3 +485,18 @@ def test_ddp_groups_of_a_bounded_size_partition_the_world() -> None:
     assert ComparisonGroups.ddp(11, size=4).groups == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10))
     with pytest.raises(ConfigError, match="size=2 must be an int >= 3"):
         ComparisonGroups.ddp(8, size=2)
+
+
+def test_ddp_groups_are_bounded_by_default_so_the_exchange_does_not_grow_with_the_job() -> None:
+    from lm_resiliency.detection import ComparisonGroups
+    from lm_resiliency.detection.groups import DDP_GROUP_SIZE, bounded_replica_groups
+
+    assert DDP_GROUP_SIZE == 8
+    assert ComparisonGroups.ddp(8).groups == (tuple(range(8)),)
+    assert ComparisonGroups.ddp(10).groups == (tuple(range(10)),)  # a remainder of 2 joins
+    assert ComparisonGroups.ddp(16).groups == (tuple(range(8)), tuple(range(8, 16)))
+    big = ComparisonGroups.ddp(10_000)
+    assert len(big.groups) == 1250 and {len(g) for g in big.groups} == {8}
+    assert ComparisonGroups.ddp(16, size=None).groups == (tuple(range(16)),)
+    # the DDP adapter's layout: its process group's ranks, in the same bounded groups
+    assert bounded_replica_groups((3, 1, 2, 0), 8) == ((0, 1, 2, 3),)

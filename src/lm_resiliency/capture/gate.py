@@ -34,10 +34,21 @@ class CommitGate:
         self.accepted: bool | None = None
         """``True``: commit; ``False``: discard; ``None``: not decided yet."""
         self.reason = ""
+        self._listeners: list[Callable[[bool], object]] = []
 
     @property
     def decided(self) -> bool:
         return self._decided.is_set()
+
+    def on_decided(self, listener: Callable[[bool], object]) -> None:
+        """Call ``listener(accepted)`` once decided (at once if it is); keep it trivial.
+
+        It runs on the deciding thread (the caller's, or the exit path's).
+        """
+        if self._decided.is_set():
+            listener(bool(self.accepted))
+        else:
+            self._listeners.append(listener)
 
     def decide(self, accepted: bool, reason: str = "") -> None:
         """Set the verdict (the first decision wins; later ones are ignored)."""
@@ -45,6 +56,9 @@ class CommitGate:
             return
         self.accepted, self.reason = accepted, reason
         self._decided.set()
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener(accepted)
 
     def resolve(self) -> None:
         """Caller's thread: have the owner decide now (collective for SCOUT); idempotent.

@@ -49,6 +49,8 @@ class Executor:
         self.dynamic = dynamic
         self.recorders = recorders
         self._last_error = ""
+        self._sig_cache: dict[tuple[int, int], tuple[dict[str, Any], CallSignature, int]] = {}
+        """Per recipe (block or dynamic index, catalog size): the last spec, decoded."""
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:
@@ -98,11 +100,27 @@ class Executor:
     ) -> ClassReport:
         if sig_doc is None:
             return ClassReport(RunState.NO_SIGNATURE, recipe, extra)
-        sig = decode(sig_doc)
+        sig, sig_hash = self._decoded((recipe, extra), sig_doc)
         outcome: ReplayOutcome = replay(module, sig, seed=seed)
         if outcome.error is not None:
             self._last_error = outcome.error
-            return ClassReport(RunState.ERROR, recipe, extra, _sig_hash(sig))
-        return ClassReport(
-            RunState.OK, recipe, extra, _sig_hash(sig), outcome.digest, outcome.seconds
-        )
+            return ClassReport(RunState.ERROR, recipe, extra, sig_hash)
+        return ClassReport(RunState.OK, recipe, extra, sig_hash, outcome.digest, outcome.seconds)
+
+    def _decoded(
+        self, recipe: tuple[int, int], sig_doc: dict[str, Any]
+    ) -> tuple[CallSignature, int]:
+        """The signature a spec names and its hash; cached while the spec repeats.
+
+        A layout's spec repeats from check to check (same shapes, same integer
+        ranges), so decoding it and hashing its key (a sorted JSON dump) is done
+        once per distinct spec; the revalidation is one comparison of the small
+        JSON documents.
+        """
+        cached = self._sig_cache.get(recipe)
+        if cached is not None and cached[0] == sig_doc:
+            return cached[1], cached[2]
+        sig = decode(sig_doc)
+        sig_hash = _sig_hash(sig)
+        self._sig_cache[recipe] = (sig_doc, sig, sig_hash)
+        return sig, sig_hash

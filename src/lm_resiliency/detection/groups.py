@@ -5,7 +5,8 @@ job-wide (every rank sees every group's verdict). Build the groups from the
 parallel layout:
 
 * :meth:`ComparisonGroups.ddp` - plain data parallelism: every rank of the job
-  holds the whole model, one group;
+  holds the whole model; compared in groups of :data:`DDP_GROUP_SIZE` consecutive
+  ranks, so the report exchange does not grow with the job;
 * :meth:`ComparisonGroups.hsdp` / :meth:`from_mesh` - HSDP: ranks with the same
   shard index along the replicate dimension hold identical shards;
 * :meth:`ComparisonGroups.from_ranks` - a framework adapter's data-parallel
@@ -24,6 +25,36 @@ from typing import Any
 import torch
 
 from lm_resiliency.errors import ConfigError
+
+DDP_GROUP_SIZE = 8
+"""Default comparison group size under plain DDP (every rank holds the same replica).
+
+Bounds the report all-gather at 144 B x 8 per rank and check at any world size; 8
+peers still name a faulty rank by strict majority with up to 3 faulty peers in one
+group, and give the straggler rule 7 peer timings; consecutive ranks are usually one
+host (8 accelerators), so the group's exchange stays on it. docs/scout.md, "Comparison
+groups"."""
+
+
+def bounded_replica_groups(ranks: Sequence[int], size: int | None) -> tuple[tuple[int, ...], ...]:
+    """``ranks`` (replicas of each other) in groups of ``size`` consecutive ranks.
+
+    ``None`` or ``size >= len(ranks)``: one group. A remainder smaller than 3 joins the
+    last group (a strict majority needs 3). Raises ``ConfigError`` for ``size < 3``.
+    """
+    ranks = tuple(sorted(ranks))
+    if size is None or size >= len(ranks):
+        return (ranks,)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 3:
+        raise ConfigError(
+            f"size={size!r} must be an int >= 3 (a strict majority names a faulty rank), or "
+            "None for one group of every replica"
+        )
+    starts = list(range(0, len(ranks), size))
+    if len(ranks) - starts[-1] < 3:
+        starts.pop()
+    ends = [*starts[1:], len(ranks)]
+    return tuple(ranks[a:b] for a, b in zip(starts, ends, strict=True))
 
 
 @dataclass(frozen=True)
@@ -63,25 +94,15 @@ class ComparisonGroups:
     # -- constructors ------------------------------------------------------------
 
     @classmethod
-    def ddp(cls, world_size: int, *, size: int | None = None) -> ComparisonGroups:
+    def ddp(cls, world_size: int, *, size: int | None = DDP_GROUP_SIZE) -> ComparisonGroups:
         """Plain DDP: all ``world_size`` ranks are replicas of each other.
 
-        ``size``: compare in groups of ``size`` consecutive ranks instead of one
-        group of the world (every rank holds the same replica, so any partition is
-        sound); the report all-gather then stays bounded at any world size. A
-        remainder smaller than 3 joins the last group (a strict majority needs 3).
+        Compared in groups of ``size`` consecutive ranks (default
+        :data:`DDP_GROUP_SIZE`; every rank holds the same replica, so any partition is
+        sound), so the report all-gather stays bounded at any world size; ``None``:
+        one group of the world. A remainder smaller than 3 joins the last group.
         """
-        if size is None or size >= world_size:
-            return cls((tuple(range(world_size)),), world_size)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 3:
-            raise ConfigError(
-                f"size={size!r} must be an int >= 3 (a strict majority names a faulty rank)"
-            )
-        starts = list(range(0, world_size, size))
-        if world_size - starts[-1] < 3:
-            starts.pop()
-        ends = [*starts[1:], world_size]
-        return cls(tuple(tuple(range(a, b)) for a, b in zip(starts, ends, strict=True)), world_size)
+        return cls(bounded_replica_groups(range(world_size), size), world_size)
 
     @classmethod
     def hsdp(cls, world_size: int, *, shard_size: int) -> ComparisonGroups:

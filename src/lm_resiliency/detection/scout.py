@@ -18,6 +18,11 @@ Collective calls (every rank, same steps, same order): the constructor,
 :meth:`check`, :meth:`maybe_check`, :meth:`before_capture`, :meth:`sweep`,
 :meth:`close`. Local: :meth:`after_capture`, :meth:`recovered`. Checks run at step
 boundaries (after ``optimizer.step()``), never inside a forward/backward.
+
+Pipelined verdict (the default, ``ScoutConfig(pipeline=True)``, with a sink that
+holds captures): the boundary's verdict resolves at the next ``manager.maybe_wait()``
+or SCOUT call; until then the capture is held uncommitted and ``last_result`` is
+the previous check's (``pending`` names the step).
 """
 
 from __future__ import annotations
@@ -291,6 +296,9 @@ class Scout:
             allowed = self.latched is None and inflight is not None
             if allowed and inflight is not None:
                 inflight.gate = self._hold(step, self.resolve)
+            elif inflight is not None:
+                # Latched: no capture to hold, so no pre-step hook would resolve it.
+                self._resolve()
         else:
             allowed = self.check(step).capture_allowed
         self._pending_capture = step if allowed else None

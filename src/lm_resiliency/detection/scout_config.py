@@ -79,12 +79,13 @@ class ScoutConfig:
     timeout_s: float = 120.0
     """Bound on every SCOUT collective (its private Gloo groups)."""
 
-    pipeline: bool = False
+    pipeline: bool = True
     """Resolve a capture boundary's exchange at the next pre-step hook (``maybe_wait``)
-    instead of at the boundary; the capture is held uncommitted until then (so
-    ``before_capture`` returns True provisionally and ``last_result`` is the verdict
-    only after ``maybe_wait``). Needs a sink with ``hold`` (GEMINI's
-    ``manager.trust``); otherwise the check resolves at once."""
+    instead of at the boundary (the default); the capture is held uncommitted until
+    then (so ``before_capture`` returns True provisionally, unless latched, and
+    ``last_result`` is the verdict only after ``maybe_wait``). Needs a sink with
+    ``hold`` (GEMINI's ``manager.trust``); otherwise the check resolves at once.
+    ``False``: the synchronous check (the verdict at the boundary)."""
 
     def __post_init__(self) -> None:
         validate(self, _RULES, prefix="ScoutConfig.")

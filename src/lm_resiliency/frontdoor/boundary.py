@@ -102,9 +102,18 @@ class CaptureBoundary:
         self._manager.save(self._build_tree(step, settled), step)
         self.stats.launch_s.append(time.perf_counter() - t0)
         self.stats.captures += 1
+        held = self._manager.trust.take_held(step)  # SCOUT's pipelined verdict: not decided
+        if held is not None:
+            held.on_decided(self._count_verdict)
         self._in_flight = True
         for done in self.after_capture:
             done(step)
+
+    def _count_verdict(self, accepted: bool) -> None:
+        """A held capture's verdict: a discarded one counts as skipped, not captured."""
+        if not accepted:
+            self.stats.captures -= 1
+            self.stats.skipped += 1
 
     def count_only(self) -> None:
         """A step that happened but must not be captured (an MTGS step skipped on exhaustion)."""

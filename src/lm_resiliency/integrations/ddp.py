@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from lm_resiliency.detection.groups import DDP_GROUP_SIZE, bounded_replica_groups
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.integrations._ddp_buckets import (
     ReadyOrder,
@@ -125,11 +126,17 @@ class DDPAdapter(ModuleAdapter):
             self._restored = order
 
     def parallel_layout(self) -> ParallelLayout:
-        """Every rank of DDP's process group holds a replica of the same parameters."""
+        """Every rank of DDP's process group holds a replica of the same parameters.
+
+        SCOUT compares them in groups of ``DDP_GROUP_SIZE`` consecutive ranks (its
+        exchange then does not grow with the job; docs/scout.md).
+        """
         if not dist.is_initialized():
             return ParallelLayout()
         ranks = tuple(dist.get_process_group_ranks(self.ddp.process_group))
-        return ParallelLayout(comparison_groups=(ranks,) if len(ranks) > 1 else ())
+        if len(ranks) < 2:
+            return ParallelLayout()
+        return ParallelLayout(comparison_groups=bounded_replica_groups(ranks, DDP_GROUP_SIZE))
 
     def close(self) -> None:
         if self._recorder is not None:

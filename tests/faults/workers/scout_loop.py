@@ -1,8 +1,7 @@
 """torchrun worker: the plain loop with SCOUT (``ScoutConfig()``), a persistent SDC, a crash.
 
 ``python -m torch.distributed.run ... tests/faults/workers/scout_loop.py --out DIR
---steps N --disk-folder DIR --onset S --kill-step K [--pipeline] [--check-every C]
-[--fault-persists]``
+--steps N --disk-folder DIR --onset S --kill-step K [--check-every C] [--fault-persists]``
 
 In the job's first generation rank 2 computes the GPT's final norm (``ln_f``, a
 signature of its own) wrong from step S on; SCOUT finds it when the rotation
@@ -67,7 +66,6 @@ def train(argv: list[str]) -> None:
     p.add_argument("--disk-folder", type=Path, required=True)
     p.add_argument("--onset", type=int, required=True)
     p.add_argument("--kill-step", type=int, required=True)
-    p.add_argument("--pipeline", action="store_true", help="ScoutConfig(pipeline=True)")
     p.add_argument("--check-every", type=int, default=None)
     p.add_argument("--fault-persists", action="store_true")
     args = p.parse_args(argv)
@@ -92,7 +90,7 @@ def train(argv: list[str]) -> None:
         interval=INTERVAL,
         state={"loader": loader},
         config=config,
-        scout=ScoutConfig(pipeline=args.pipeline, interval=args.check_every),
+        scout=ScoutConfig(interval=args.check_every),  # the pipelined verdict (the default)
     )
     decision = resiliency.last_recovery.decision
     start = {
@@ -113,11 +111,18 @@ def train(argv: list[str]) -> None:
         optimizer.step()
         optimizer.zero_grad()
         if step % INTERVAL == 0:
-            last = resiliency.last_scout
-            status = None if last is None else [last.status.value, list(last.faulty_ranks)]
-            boundaries[step] = [state_digest(model, optimizer), status]
+            boundaries[step] = [state_digest(model, optimizer), None]
             log.write_text(json.dumps(boundaries))  # what a SIGKILL leaves behind
-    resiliency.close()
+        # Pipelined: a boundary's verdict resolves in the next step's pre-step hook.
+        last = resiliency.last_scout
+        if last is not None and last.step in boundaries and boundaries[last.step][1] is None:
+            boundaries[last.step][1] = [last.status.value, list(last.faulty_ranks)]
+            log.write_text(json.dumps(boundaries))
+    resiliency.close()  # resolves the last boundary's verdict
+    last = resiliency.last_scout
+    if last is not None and last.step in boundaries and boundaries[last.step][1] is None:
+        boundaries[last.step][1] = [last.status.value, list(last.faulty_ranks)]
+        log.write_text(json.dumps(boundaries))
 
 
 if __name__ == "__main__":
