@@ -215,6 +215,7 @@ class LiveSession:
                 "clean --run RUN) or give the run a new id, then start again"
             )
         self.membership.set_committed(step)
+        self._log("live.start", step=step, epoch=m.epoch, members=list(m.members))
 
     def build_reducer(self) -> LiveReducer:
         """The epoch's cross-replica group (collective over the members)."""
@@ -396,6 +397,9 @@ class LiveSession:
                 "cause": change.cause,
                 "reform_s": change.reform_ns / 1e9,
             }
+            adopted = m.last_change
+            if adopted is not None and adopted.epoch == change.epoch:
+                fields["change"] |= {"reason": adopted.reason, "t_detect": adopted.t_detect}
         self._log("mtgs.commit", **fields)
 
     def status(self) -> LiveStatus:
