@@ -162,6 +162,7 @@ class ResiliencyHandle:
         if self.live is None:
             return self._after(self.mtgs.step(closure, micro_batches=micro_batches))
         with self._exits_on_membership_loss():  # evicted: 76; coordinator lost: 75
+            self.live.membership.check()  # the step boundary (docs/live-membership.md §2.5)
             self.live.before_step(self.close)
             closure = self.live.wrap(closure)
             result = self.mtgs.step(closure, micro_batches=micro_batches)
