@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,6 +24,7 @@ from lm_resiliency.frontdoor.live import (
     check_live,
     live_gemini_config,
 )
+from lm_resiliency.frontdoor.live_exit import exit_on_membership_loss, leave_process
 from lm_resiliency.frontdoor.objects import StateObjects
 from lm_resiliency.frontdoor.resiliency_config import ResiliencyConfig
 from lm_resiliency.frontdoor.resume import RecoveryInfo, resume, resume_from_framework
@@ -33,6 +35,7 @@ from lm_resiliency.frontdoor.validate import check_mtgs, check_scout, gemini_con
 from lm_resiliency.integrations.base import Adapter, Unbind
 from lm_resiliency.integrations.registry import adapter_for
 from lm_resiliency.live.config import LiveConfig
+from lm_resiliency.live.view import CoordinatorLost, Evicted
 from lm_resiliency.rng import restore_rng as restore_now
 from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
@@ -181,7 +184,8 @@ def enable_adapter(
     if live_config is not None:
         assert replica is not None
         config = live_gemini_config(config, replica)
-        session = LiveSession.start(live_config, injector)  # registers; waits (bounded) for epoch 0
+        with exit_on_membership_loss(replica=replica, cleanup=None, cleanup_timeout_s=0):
+            session = LiveSession.start(live_config, injector)  # registers; waits for epoch 0
     try:
         manager = _manager(config, layout.group, layout.replica_ranks, fallback)
     except BaseException:
@@ -259,6 +263,7 @@ def enable_adapter(
         manager.close(finished=False)
         if session is not None:
             session.close()
+            _leave_if_membership_lost(session)
         raise
     return ResiliencyHandle(
         manager=manager,
@@ -270,6 +275,13 @@ def enable_adapter(
         scout=checker,
         live=session,
     )
+
+
+def _leave_if_membership_lost(session: LiveSession) -> None:
+    """Inside an ``except``: an ``Evicted``/``CoordinatorLost`` exits the process (76/75)."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, (Evicted, CoordinatorLost)):
+        leave_process(exc, replica=session.replica, cleanup=None, cleanup_timeout_s=0)
 
 
 def _env_replica() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ import torch
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.errors import ConfigError, ResiliencyError
 from lm_resiliency.frontdoor.boundary import BlockingStats, CaptureBoundary, CaptureGate
+from lm_resiliency.frontdoor.live_exit import exit_on_membership_loss
 from lm_resiliency.frontdoor.resume import RecoveryInfo
 from lm_resiliency.integrations.base import Adapter, Unbind
 
@@ -157,12 +159,17 @@ class ResiliencyHandle:
                 "mtgs=MTGSConfig(...) to enable_resiliency, or call loss.backward() and "
                 "optimizer.step() yourself (the capture then hangs off optimizer.step())"
             )
-        if self.live is not None:
+        if self.live is None:
+            return self._after(self.mtgs.step(closure, micro_batches=micro_batches))
+        with self._exits_on_membership_loss():  # evicted: 76; coordinator lost: 75
+            self.live.membership.check()  # the step boundary (docs/live-membership.md §2.5)
             self.live.before_step(self.close)
             closure = self.live.wrap(closure)
-        result = self.mtgs.step(closure, micro_batches=micro_batches)
-        if self.live is not None:
+            result = self.mtgs.step(closure, micro_batches=micro_batches)
             self.live.after_step(result)
+        return self._after(result)
+
+    def _after(self, result: StepResult) -> StepResult:
         if result.committed:
             self._boundary.after_step()
         else:
@@ -178,7 +185,8 @@ class ResiliencyHandle:
             return
         self._closed = True
         if self.live is not None:
-            self.live.finish()  # no member leaves while another confirms the last step
+            with self._exits_on_membership_loss():
+                self.live.finish()  # no member leaves while another confirms the last step
         if self._unbind is not None:
             self._unbind()
             self._unbind = None
@@ -194,6 +202,17 @@ class ResiliencyHandle:
             finally:
                 if self.live is not None:
                     self.live.close()
+
+    def _exits_on_membership_loss(self) -> AbstractContextManager[None]:
+        """Live mode: an ``Evicted``/``CoordinatorLost`` exits the process (76/75) after
+        finishing the capture in flight and keeping the memory slots (frontdoor/live_exit.py)."""
+        assert self.live is not None
+        config = self.live.config
+        return exit_on_membership_loss(
+            replica=self.live.replica,
+            cleanup=lambda: self.manager.close(finished=False),
+            cleanup_timeout_s=config.coordinator_timeout_s,
+        )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -232,6 +232,7 @@ class LiveSession:
                 "clean --run RUN) or give the run a new id, then start again"
             )
         self.membership.set_committed(step)
+        self._log("live.start", step=step, epoch=m.epoch, members=list(m.members))
 
     def build_reducer(self) -> LiveReducer:
         """The epoch's cross-replica group (collective over the members)."""
@@ -434,6 +435,7 @@ class LiveSession:
             adopted = self.status().last_change
             if adopted is not None:  # the phases of the change (benchmarks/live.py, the demo)
                 fields["change"].update(
+                    reason=adopted.reason,
                     t_detect=adopted.t_detect,
                     t_publish=adopted.t_publish,
                     adopt_s=adopted.adopt_s,

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.live.backend import prepare_nccl_env, resolve_backend
-from lm_resiliency.live.view import EpochFailed, MembershipView
+from lm_resiliency.live.view import CoordinatorLost, EpochFailed, MembershipView
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Backend as C10dBackend
@@ -409,7 +409,18 @@ class CrossReplicaGroup:
         with self._lock:
             busy = bool(self._pending)
         if busy and self._failure is None and self._flag_due():
-            cause = self.view.failed()
+            try:
+                cause = self.view.failed()
+            except CoordinatorLost:
+                # The collective does not need the coordinator: it completes (or fails on a
+                # lost peer) on every member alike, and the caller raises the loss at its
+                # next step boundary (or reform). Failing it here could end the step on
+                # some members only: their memory would then hold different steps.
+                cause = None
+            except Exception as exc:  # Evicted: the caller's reform raises it; never die here
+                first = (str(exc).strip().splitlines() or [""])[0]
+                self._fail(f"membership: {type(exc).__name__}: {first}", seen=False)
+                cause = None
             if cause is not None:
                 self._fail(f"failure flag: {cause}", seen=False)
         with self._lock:

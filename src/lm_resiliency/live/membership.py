@@ -321,6 +321,15 @@ class Membership:
 
     # -- beyond the view -----------------------------------------------------------------
 
+    def check(self) -> None:
+        """Raise what the heartbeat thread found (``CoordinatorLost``, ``Evicted``); no request.
+
+        The front door calls it at every step boundary (docs/live-membership.md §2.5): the
+        steps' collectives do not involve the coordinator, so without it a run whose
+        coordinator died would go on until its next membership request.
+        """
+        self._raise_pending()
+
     @property
     def committed(self) -> int:
         return self._running_lease().committed

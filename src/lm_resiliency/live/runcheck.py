@@ -14,6 +14,10 @@ front door writes them when ``LMR_LIVE_EVENTS`` names the folder) and raises
   global batch once (``stream=(seed, dataset_len, global_batch)`` also checks it is
   :func:`~lm_resiliency.live.sampler.global_indices` of the step);
 * every replica's digest is the same after every commit (``LiveConfig(digest_every=1)``);
+* with ``fallback=True`` (the coordinator was lost and every group restarted, §2.5): a
+  process that logged ``live.start`` from a recovered step may commit again the steps after
+  it that its predecessor committed, and the redo must end with the same digest; the PIDs
+  change;
 * with ``reference=`` (another run's :class:`LiveRun`), the final digest equals the
   reference's digest of the same step, bit for bit.
 """
@@ -84,6 +88,7 @@ def check_run(
     *,
     reference: LiveRun | None = None,
     stream: tuple[int, int, int] | None = None,
+    fallback: bool = False,
 ) -> LiveRun:
     """Check the invariants of the module doc; returns the :class:`LiveRun` (``AssertionError``)."""
     records = read_events(run_dir)
@@ -96,25 +101,45 @@ def check_run(
         if r["pid"] not in pids:
             pids.append(r["pid"])
     samples: dict[tuple[int, int, int], list[int]] = {}  # (pid, step, epoch) -> last draw
+    starts: dict[int, int] = {}  # pid -> the step it started from (recovered), if it logged it
     for pid, recs in by_pid.items():
+        start = next((r["step"] for r in recs if r["event"] == "live.start"), 0)
+        starts[pid] = start
         steps = [r["step"] for r in recs if r["event"] == "mtgs.commit"]
         healed = [r["step"] for r in recs if r["event"] == "live.healed"]
-        first = 1
+        first = start + 1
         if healed:
-            run.healed[pid] = first = healed[0]
-            first += 1
+            run.healed[pid] = healed[0]
+            first = healed[0] + 1
         assert steps == list(range(first, first + len(steps))), (
-            f"pid {pid} (replica {recs[0]['replica']}) committed steps {steps}"
-            + (f" after its heal at step {first - 1}" if healed else "")
+            f"pid {pid} (replica {recs[0]['replica']}) started from step {first - 1} and "
+            f"committed steps {steps}"
+            + (" after its heal" if healed else "")
             + ": a step was skipped or repeated"
         )
         for r in recs:
             if r["event"] == "live.world_full":
                 run.world_full.append(r)
-            if r["event"] == "mtgs.commit":
-                run.commits.setdefault(r["step"], []).append(r)
             elif r["event"] == "live.sample":
                 samples[(pid, r["step"], r["epoch"])] = list(r["indices"])
+    latest: dict[tuple[int, int], dict[str, Any]] = {}  # (step, replica) -> its last commit
+    for r in records:  # file order: a replica's restarted process comes after its predecessor
+        if r["event"] != "mtgs.commit":
+            continue
+        old = latest.get((r["step"], r["replica"]))
+        if old is not None and old["pid"] != r["pid"]:
+            assert fallback and starts[r["pid"]] < r["step"], (
+                f"step {r['step']} committed twice by replica {r['replica']} (pids {old['pid']} "
+                f"and {r['pid']}), and not as the redo after a fallback restart"
+            )
+            assert old.get("digest") == r.get("digest"), (
+                f"step {r['step']} of replica {r['replica']}: the redo after the fallback restart "
+                f"(pid {r['pid']}) ended with digest {r.get('digest')}, the first commit (pid "
+                f"{old['pid']}) with {old.get('digest')}"
+            )
+        latest[(r["step"], r["replica"])] = r
+    for (step, _), r in sorted(latest.items()):
+        run.commits.setdefault(step, []).append(r)
     assert run.commits, f"no commit in {run_dir}"
     run.last_step = max(run.commits)
     run.survivors = run.members_at(run.last_step)
@@ -122,6 +147,8 @@ def check_run(
     for replica in run.survivors:
         committing = {c["pid"] for s in run.commits.values() for c in s if c["replica"] == replica}
         committing -= set(run.healed)  # healed incarnations of a lost replica
+        if fallback:  # every process restarted; each later one resumed from its memory
+            committing = {p for p in committing if starts[p] == 0}
         assert len(committing) <= 1, (
             f"survivor replica {replica} committed from several processes {sorted(committing)}: "
             "its PID changed (a survivor was restarted)"
