@@ -99,9 +99,9 @@ def _launch(run_dir: Path, *, kill_coordinator: bool) -> tuple[LiveRun, str]:
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: after the fallback restart the redo of step 6 aborts with forward_exception "
+@pytest.mark.skip(
+    reason="open defect, not run in CI (a run waits out join_timeout_s): after the fallback "
+    "restart the redo of step 6 aborts with forward_exception "
     "(the restored live sampler), and the next restart finds epoch 0 naming dead "
     "incarnations, so every worker waits as a joiner (docs/live-membership.md §2.5)",
 )
