@@ -66,11 +66,11 @@ def register(sub: Any) -> None:
         "--live",
         action="store_true",
         help="live membership instead: 4 replica groups under lm-resiliency launch, replica "
-        "--fault-rank SIGKILLed in step --fault-step (default 8 of 12), the survivors go on "
+        "--fault-rank SIGKILLed in step --fault-step (default 8 of 40), the survivors go on "
         "in the same processes",
     )
     p.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps (default 40; --live: 12)"
+        "--steps", type=int, default=None, help="optimizer steps (default 40; --live: 40)"
     )
     p.add_argument("--interval", type=int, default=5, help="GEMINI capture every N steps (5)")
     p.add_argument(

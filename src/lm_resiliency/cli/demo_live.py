@@ -35,7 +35,7 @@ from lm_resiliency.live.runcheck import check_run
 
 __all__ = ["run"]
 
-STEPS = 12
+STEPS = 40
 FAULT_STEP = 8
 _HEAL_WAIT_S = 30.0
 

@@ -34,7 +34,7 @@ class LiveSpec:
     """What to run: the size, the steps and the kill (``kill_replicas=()``: none)."""
 
     replicas: int = 4
-    steps: int = 12
+    steps: int = 40
     global_batch: int = 16
     seed: int = 0
     kill_point: str = "live.forward"
@@ -47,6 +47,10 @@ class LiveSpec:
     lease_s: float = 2.0
     stale_s: float = 1.0
     digest_every: int = 1
+    step_sleep_s: float = 0.3
+    """Stands in for a real step's compute: the demo model's step takes milliseconds, so
+    without it the survivors would finish before the killed replica's torchrun has restarted
+    it (process start and imports take seconds), and "full world again" would never be seen."""
 
     def __post_init__(self) -> None:
         if self.kill_point not in LIVE_KILL_POINTS:
@@ -77,7 +81,7 @@ class LiveSpec:
             "--", "-m", "lm_resiliency.demo.live_kill", "--steps", str(self.steps),
             "--global-batch", str(self.global_batch), "--seed", str(self.seed), *timing,
             "--reform-timeout-s", "60", "--coordinator-timeout-s", "30",
-            "--digest-every", str(self.digest_every),
+            "--digest-every", str(self.digest_every), "--step-sleep-s", str(self.step_sleep_s),
         ]  # fmt: skip
 
 

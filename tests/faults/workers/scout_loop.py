@@ -1,7 +1,7 @@
 """torchrun worker: the plain loop with SCOUT (``ScoutConfig()``), a persistent SDC, a crash.
 
 ``python -m torch.distributed.run ... tests/faults/workers/scout_loop.py --out DIR
---steps N --disk-folder DIR --onset S --kill-step K [--check-every C] [--fault-persists]``
+--steps N --disk-folder DIR --onset S --kill-step K [--check-every C] [--sync] [--fault-persists]``
 
 In the job's first generation rank 2 computes the GPT's final norm (``ln_f``, a
 signature of its own) wrong from step S on; SCOUT finds it when the rotation
@@ -67,6 +67,7 @@ def train(argv: list[str]) -> None:
     p.add_argument("--onset", type=int, required=True)
     p.add_argument("--kill-step", type=int, required=True)
     p.add_argument("--check-every", type=int, default=None)
+    p.add_argument("--sync", action="store_true", help="ScoutConfig(pipeline=False)")
     p.add_argument("--fault-persists", action="store_true")
     args = p.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -90,7 +91,8 @@ def train(argv: list[str]) -> None:
         interval=INTERVAL,
         state={"loader": loader},
         config=config,
-        scout=ScoutConfig(interval=args.check_every),  # the pipelined verdict (the default)
+        # The pipelined verdict is the default; --sync decides each check at its boundary.
+        scout=ScoutConfig(interval=args.check_every, pipeline=not args.sync),
     )
     decision = resiliency.last_recovery.decision
     start = {
