@@ -77,13 +77,15 @@ def _prctl(option: int, value: int) -> bool:
         return False
 
 
-def set_child_subreaper() -> bool:
+def set_child_subreaper(on: bool = True) -> bool:
     """Make orphaned descendants of this process its children (Linux), so a walk finds them.
 
     Without it, a worker whose parent died is re-parented to init and escapes
-    :func:`descendants`. Returns False where the kernel does not support it.
+    :func:`descendants`. ``on=False`` clears it again (a launcher run inside a longer-lived
+    process, such as a test run, gives the flag back). Returns False where the kernel does not
+    support it.
     """
-    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1 if on else 0)
 
 
 def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:

@@ -255,7 +255,16 @@ def test_the_launcher_fails_clearly_when_its_coordinator_is_missing_or_exits_ear
     args = ["--replica-groups", "2", "--nproc-per-group", "1"]
     if HAS_COORDINATOR:  # a coordinator that exits at once: a bad option of its own
         args += ["--coordinator-arg=--no-such-option"]
-    code, err = _launch_main([*args, "--", WORKER, str(tmp_path)])
+    # A process the caller already had (in a test run: multiprocessing's forkserver) is not
+    # the launcher's to kill: an in-process run once SIGKILLed the suite's forkserver, and
+    # every later multi-process test failed.
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        code, err = _launch_main([*args, "--", WORKER, str(tmp_path)])
+        assert bystander.poll() is None, "the launcher's teardown killed a process it did not start"
+    finally:
+        bystander.kill()
+        bystander.wait()
     assert code == 2
     if HAS_COORDINATOR:
         assert "the coordinator (" in err and "exited with status 2 before it was listening" in err

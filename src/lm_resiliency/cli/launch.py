@@ -497,9 +497,14 @@ class Launcher:
         self.spares: list[subprocess.Popen[bytes]] = []
         self.coordinator: _Coordinator | None = None
         self.stop = _Stop()
+        self._preexisting: set[int] = set()
 
     def run(self) -> int:
-        _proctree.set_child_subreaper()
+        # Processes this process already had (when the launcher runs inside a longer-lived
+        # process, e.g. a test run's multiprocessing forkserver) are not the launcher's: its
+        # teardown kills and reaps only what it started and what was orphaned to it.
+        self._preexisting = set(_proctree.descendants(os.getpid()))
+        subreaper = _proctree.set_child_subreaper()
         previous = {s: signal.signal(s, self.stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             return self._run()
@@ -507,6 +512,8 @@ class Launcher:
             self._teardown()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if subreaper:
+                _proctree.set_child_subreaper(False)
             if self._owns_workdir:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -564,12 +571,21 @@ class Launcher:
             preexec_fn=_child_setup,  # noqa: PLW1509 - no threads run in the launcher
         )
 
+    def _launched(self) -> list[int]:
+        """This process's descendants minus those that predate the run (and their children)."""
+        keep: set[int] = set()
+        for pid in self._preexisting:
+            if _proctree.alive(pid):
+                keep.add(pid)
+                keep.update(_proctree.descendants(pid))
+        return [pid for pid in _proctree.descendants(os.getpid()) if pid not in keep]
+
     def _reap_orphans(self) -> None:
         # Orphaned descendants are re-parented to us (subreaper); reap those that exited.
         ours = {p.pid for p in [*self.groups, *self.spares]}
         if self.coordinator is not None and self.coordinator.proc is not None:
             ours.add(self.coordinator.proc.pid)
-        for pid in _proctree.descendants(os.getpid()):
+        for pid in self._launched():
             if pid not in ours:
                 with contextlib.suppress(ChildProcessError, OSError):
                     os.waitpid(pid, os.WNOHANG)
@@ -589,7 +605,7 @@ class Launcher:
             self.coordinator.stop(grace_s=0 if self.stop.again else 5.0)
         # Whatever is left (a torchrun past its grace, workers it did not stop, orphans).
         for _ in range(20):
-            left = [pid for pid in _proctree.descendants(os.getpid()) if _proctree.alive(pid)]
+            left = [pid for pid in self._launched() if _proctree.alive(pid)]
             if not left:
                 break
             _proctree.signal_all(left, signal.SIGKILL)
