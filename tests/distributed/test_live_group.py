@@ -72,16 +72,22 @@ def test_sigkill_inside_allreduce_survivors_rebuild_and_exit_cleanly(numel: int)
         assert "terminate called" not in stderr, stderr[-2000:]
         reports[r] = json.loads(stdout.strip().splitlines()[-1])
     assert [rec.members for rec in coord.records[:2]] == [(0, 1, 2, 3), (0, 1, 3)]
+    # The victim kills itself right after launching iteration 3's all-reduce: Gloo may already
+    # have sent its share (a 4-byte tensor goes at once), so the survivors can complete 3 and
+    # fail in 4 instead. Either way they all change at the same iteration.
+    at = {rep["changes"][0]["iter"] for rep in reports.values() if rep["changes"]}
+    assert len(at) == 1 and at <= {3, 4}, reports
+    (k,) = at
     for r, rep in reports.items():
         assert rep["pid"] == procs[r].pid
         assert len(rep["changes"]) == 1
         change = rep["changes"][0]
-        assert (change["iter"], change["epoch"], change["members"]) == (3, 1, [0, 1, 3])
+        assert (change["iter"], change["epoch"], change["members"]) == (k, 1, [0, 1, 3])
         # left by Gloo's error or the failure flag, never by Gloo's own timeout (30 s)
         assert "timed out" not in change["cause"].lower(), change["cause"]
         # every iteration's sum is right, under the members of the epoch that computed it
         assert [(s["iter"], s["epoch"], s["ok"]) for s in rep["sums"]] == [
-            (i, 0 if i < 3 else 1, True) for i in range(6)
+            (i, 0 if i < k else 1, True) for i in range(6)
         ]
         assert rep["graveyard"] == 1
     kill_t = reports[0]["kill_t"]
