@@ -42,20 +42,42 @@ def _temps(store: ShardStore) -> list[Path]:
     return sorted(store.topology_path.rglob(".*.tmp"))
 
 
-def test_the_oldest_candidate_newer_than_the_verified_step_survives(tmp_path: Path) -> None:
-    # SCOUT's K-recipe rule verifies candidates oldest first, a rotation after their capture:
-    # the next one it can promote must still be there when it does.
+def test_every_candidate_newer_than_the_verified_step_survives(tmp_path: Path) -> None:
+    # SCOUT's K-recipe rule verifies candidates oldest first, a rotation after their capture,
+    # and this rank may learn of a promotion late: any pending candidate can be the one
+    # verified next, so all of them must still be there when it is.
     store = _store(tmp_path)
     _write(store, 10, trust=TrustStatus.RECOVERY_VERIFIED)
     for step in (20, 30, 40, 50):
         _write(store, step, trust=TrustStatus.CANDIDATE)
-    assert store.steps(0) == [10, 20, 40, 50]
-    store.sidecar.mark_verified(20)  # promoted: 30 is gone, 40 is now the oldest candidate
+    assert store.steps(0) == [10, 20, 30, 40, 50]
+    store.sidecar.mark_verified(20)  # promoted: 10 is superseded
     _write(store, 60, trust=TrustStatus.CANDIDATE)
-    assert store.steps(0) == [20, 40, 50, 60]
-    store.sidecar.mark_rejected(40, "SDC")  # a rejected candidate is no longer protected
+    assert store.steps(0) == [20, 30, 40, 50, 60]
+    store.sidecar.mark_rejected(40, "SDC")  # a rejected candidate is no longer protected ...
+    store.sidecar.mark_rejected(30, "SDC")  # ... and the verified step stays
     _write(store, 70, trust=TrustStatus.CANDIDATE)
     assert store.steps(0) == [20, 50, 60, 70]
+
+
+def test_two_lagging_views_of_one_owner_never_remove_the_step_verified_next(
+    tmp_path: Path,
+) -> None:
+    # The owner and the rank holding its replica retain the same owner's files in one
+    # folder, each from its own sidecar. The replica holder still believes 10 is the newest
+    # verified step; the owner already promoted 20. Between them they used to remove 30,
+    # which the next clean check verifies: then no verified step was left on disk.
+    owner = _store(tmp_path)
+    holder = ShardStore(tmp_path, run_id="r", topology="t", rank=1, verify_integrity=True)
+    _write(owner, 10, trust=TrustStatus.RECOVERY_VERIFIED)
+    for step in (20, 30, 40):
+        _write(owner, step, trust=TrustStatus.CANDIDATE)
+    owner.sidecar.mark_verified(20)
+    holder.sidecar.mark_verified(10)
+    _write(holder, 50, trust=TrustStatus.CANDIDATE)  # the holder's pass: 20 is next, it thinks
+    _write(owner, 60, trust=TrustStatus.CANDIDATE)  # the owner's pass: 10 is superseded
+    assert owner.steps(0) == [20, 30, 40, 50, 60]
+    owner.sidecar.mark_verified(30)  # the promotion both views lagged behind: 30 is there
 
 
 def test_plan_keeps_newest_k_and_newest_verified() -> None:
@@ -63,7 +85,8 @@ def test_plan_keeps_newest_k_and_newest_verified() -> None:
     assert plan_retention([1, 2, 3, 4, 5], keep=2, verified_step=2) == [1, 3]
     assert plan_retention([5, 1, 3], keep=3, verified_step=4) == []
     assert plan_retention([1, 2, 3], keep=2, verified_step=3) == [1]
-    assert plan_retention([1, 2, 3, 4, 5], keep=2, verified_step=1, candidate_step=2) == [3]
+    assert plan_retention([1, 2, 3, 4, 5], keep=2, verified_step=1, candidates=[2]) == [3]
+    assert plan_retention([1, 2, 3, 4, 5, 6], keep=2, verified_step=1, candidates=[2, 3]) == [4]
 
 
 @pytest.mark.parametrize("recycle", [True, False])
@@ -114,13 +137,17 @@ def test_shard_written_as_verified_survives_without_a_sidecar_mark(tmp_path: Pat
     _write(store, 2, owner=8, trust=TrustStatus.RECOVERY_VERIFIED)
     for step in range(3, 6):
         _write(store, step, owner=8, trust=TrustStatus.CANDIDATE)
-    # 3 stays: the oldest candidate newer than the verified 2 (the next SCOUT can promote).
+    # 3 stays: a candidate newer than the verified 2 (the next SCOUT can promote).
     assert store.steps(8) == [2, 3, 4, 5]
-    # A new store (restart) learns the trust from the file header.
+    # A new store (restart) learns the trust from the file header: 2 is verified, 3-5
+    # are still pending candidates; the unverified 1 is gone.
     again = _store(tmp_path)
     _write(again, 6, owner=8)
-    assert again.steps(8) == [2, 3, 5, 6]
+    assert again.steps(8) == [2, 3, 4, 5, 6]
     assert again.read(owner_rank=8, step=2).trust is TrustStatus.RECOVERY_VERIFIED
+    again.sidecar.mark_verified(4)  # promoted: 2 and 3 are older than the verified step
+    _write(again, 7, owner=8)
+    assert again.steps(8) == [4, 5, 6, 7]
 
 
 def test_retention_is_per_owner(tmp_path: Path) -> None:

@@ -1,11 +1,16 @@
 """Which generations to keep, and a pool of retired files to overwrite next.
 
 Policy, per owner rank: keep the newest ``keep`` persisted steps plus the
-newest recovery-verified step and the oldest candidate newer than it;
-everything older goes. That candidate is the next one SCOUT can promote (it
-verifies candidates oldest first, once every recipe was checked clean since):
-without it, a rotation over K recipes that takes more than ``keep`` captures
-to cover a candidate would promote a step whose files are already gone. Retention runs only right
+newest recovery-verified step and every candidate newer than it; everything
+else goes. Any of those candidates can be the step SCOUT promotes next (it
+verifies candidates oldest first, once every recipe was checked clean since),
+and this rank's view of the promotions can lag the others' (the trust worker
+records them in the background, and an owner's generations are also retained
+by the rank holding its replica in the same folder). Keeping only the oldest
+pending candidate let two views of one owner remove between them every step
+that became verified (a 4-rank rotation run ended with no verified step on
+every rank). The pending candidates are bounded by the rotation: a candidate
+is promoted or rejected within K checks of K recipes. Retention runs only right
 after a new generation of that owner was published on this node, so there are
 never fewer than ``keep`` complete generations of an owner once ``keep`` have
 been written.
@@ -46,25 +51,27 @@ def plan_retention(
     *,
     keep: int,
     verified_step: int | None,
-    candidate_step: int | None = None,
+    candidates: Sequence[int] = (),
 ) -> list[int]:
     """Steps to remove (ascending): all but the newest ``keep``, ``verified_step`` and
-    ``candidate_step`` (the oldest candidate newer than it, see :func:`oldest_candidate`)."""
+    ``candidates`` (those pending newer than it, see :func:`pending_candidates`)."""
     assert keep >= 1, keep
     ordered = sorted(set(steps))
-    kept = set(ordered[-keep:])
-    kept |= {s for s in (verified_step, candidate_step) if s is not None}
+    kept = set(ordered[-keep:]) | set(candidates)
+    if verified_step is not None:
+        kept.add(verified_step)
     return [s for s in ordered if s not in kept]
 
 
-def oldest_candidate(
+def pending_candidates(
     steps: Sequence[int], verified_step: int | None, is_candidate: Callable[[int], bool]
-) -> int | None:
-    """The oldest of ``steps`` newer than ``verified_step`` for which ``is_candidate`` holds."""
-    for step in sorted(set(steps)):
-        if (verified_step is None or step > verified_step) and is_candidate(step):
-            return step
-    return None
+) -> list[int]:
+    """Those of ``steps`` newer than ``verified_step`` for which ``is_candidate`` holds."""
+    return [
+        step
+        for step in sorted(set(steps))
+        if (verified_step is None or step > verified_step) and is_candidate(step)
+    ]
 
 
 def newest_verified(steps: Sequence[int], is_verified: Callable[[int], bool]) -> int | None:

@@ -55,7 +55,7 @@ from lm_resiliency.persistence.reasons import UnavailableReason, unavailable
 from lm_resiliency.persistence.retention import (
     SparePool,
     newest_verified,
-    oldest_candidate,
+    pending_candidates,
     plan_retention,
 )
 from lm_resiliency.persistence.sidecar import DEFAULT_HISTORY_LIMIT
@@ -310,7 +310,7 @@ class ShardStore:
 
     def _retain(self, topo_fd: int, owner_rank: int) -> None:
         """Retire this owner's generations that the lineage superseded, then all but the newest
-        ``keep_generations`` (and the newest verified, and the oldest candidate newer than it)
+        ``keep_generations`` (and the newest verified, and every candidate newer than it)
         of those on the current history.
 
         A generation of a timeline the lineage does not know (another job's) is
@@ -342,12 +342,11 @@ class ShardStore:
             trust = self._trust(owner_rank, step)
             return trust is TrustStatus.CANDIDATE and step not in rejected and not verified(step)
 
-        next_verified = oldest_candidate(current, keep_verified, candidate)
         for step in plan_retention(
             current,
             keep=self.keep_generations,
             verified_step=keep_verified,
-            candidate_step=next_verified,
+            candidates=pending_candidates(current, keep_verified, candidate),
         ):
             self._retire(topo_fd, owner_rank, step)
 
