@@ -39,9 +39,9 @@ def _run(tmp_path: Path, *extra: str) -> tuple[Path, list[dict]]:
     out = tmp_path / "out"
     out.mkdir()
     args = ["--out", str(out), "--steps", str(_STEPS), "--disk-folder", str(tmp_path / "disk")]
-    # --sync: this file is about the sweep after the restart; the first attempt's checks are
-    # decided at their boundaries so each boundary's verdict is on record before the kill.
-    args += ["--kill-step", str(_KILL), "--check-every", "1", "--sync", *extra]
+    # The pipelined verdict (the default): each boundary's verdict is last_scout after the
+    # next step, so 20's is on record (read after step 21) before the kill at 23.
+    args += ["--kill-step", str(_KILL), "--check-every", "1", *extra]
     env = {"LM_RESILIENCY_RUN_ID": f"sweep-{uuid.uuid4().hex[:8]}"}
     env["LM_RESILIENCY_FAILURE_KIND"] = "hang"
     run = run_torchrun([_WORKER, *args], _WORLD, max_restarts=1, env=env, timeout_s=300)

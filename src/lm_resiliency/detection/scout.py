@@ -22,7 +22,8 @@ boundaries (after ``optimizer.step()``), never inside a forward/backward.
 Pipelined verdict (the default, ``ScoutConfig(pipeline=True)``, with a sink that
 holds captures): the boundary's verdict resolves at the next ``manager.maybe_wait()``
 or SCOUT call; until then the capture is held uncommitted and ``last_result`` is
-the previous check's (``pending`` names the step).
+the previous check's (``pending`` names the step). :meth:`post_check` (the front
+door's hook between captures) pipelines the other checks the same way.
 """
 
 from __future__ import annotations
@@ -273,6 +274,26 @@ class Scout:
             return None
         classes = self.due(step)
         return self._check(step, classes) if classes else None
+
+    def post_check(self, step: int) -> None:
+        """Collective: :meth:`maybe_check`, pipelined like a boundary's check when it is.
+
+        With the pipelined verdict (see :meth:`before_capture`) the check replays,
+        judges its group and posts the flags all-reduce now; its verdict resolves at
+        the next :meth:`resolve` (the front door calls it in every pre-step hook) or
+        SCOUT call, and ``last_result`` is the previous check's until then. So every
+        check resolves one step later and each verdict is ``last_result`` after the
+        next ``optimizer.step()``, boundaries included (a synchronous check at the
+        next step would resolve the boundary's verdict and replace it within one
+        hook). Otherwise the same as :meth:`maybe_check`. The front door's hook
+        between captures.
+        """
+        self._check_open()
+        if not self.config.enable:
+            return
+        classes = self.due(step)
+        if classes:
+            self._check(step, classes, pipelined=self._hold is not None)
 
     def before_capture(self, step: int) -> bool:
         """Collective: check at this capture boundary; True when the capture may proceed.

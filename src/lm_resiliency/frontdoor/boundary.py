@@ -5,7 +5,9 @@ before the parameters change, or it would mix two steps); ``after_step``
 counts the step and, every ``interval`` steps, asks each capture gate (SCOUT,
 when enabled) whether this step may be captured, then launches the capture
 and tells each ``after_capture`` hook (SCOUT certifies it); on every other
-step it runs the ``between`` hooks (SCOUT classes on another cadence).
+step it runs the ``between`` hooks (SCOUT classes on another cadence). The
+``before`` hooks run in every ``before_step`` after the wait (SCOUT resolves a
+pipelined check there, so each verdict is known after the next step).
 Both are timed: the sum is the blocking time per capture the training loop sees.
 """
 
@@ -67,18 +69,20 @@ class CaptureBoundary:
         self.gates: list[CaptureGate] = []
         self.after_capture: list[Callable[[int], None]] = []
         self.between: list[Callable[[int], object]] = []
+        self.before: list[Callable[[], object]] = []
         self.stats = BlockingStats()
         self._in_flight = False
 
     def before_step(self) -> None:
         if self._schedulers is not None:
             self._schedulers.check()  # the loop stepped each scheduler once since after_step
-        if not self._in_flight:
-            return
-        t0 = time.perf_counter()
-        self._manager.maybe_wait()
-        self.stats.wait_s.append(time.perf_counter() - t0)
-        self._in_flight = False
+        if self._in_flight:
+            t0 = time.perf_counter()
+            self._manager.maybe_wait()
+            self.stats.wait_s.append(time.perf_counter() - t0)
+            self._in_flight = False
+        for hook in self.before:
+            hook()
 
     def optimizer_done(self) -> None:
         """Take the per-rank part (RNGs, ``state`` objects) now, when this step is captured."""

@@ -225,7 +225,8 @@ def enable_adapter(
         if checker is not None:
             boundary.gates.append(checker.before_capture)
             boundary.after_capture.append(checker.after_capture)
-            boundary.between.append(checker.maybe_check)
+            boundary.between.append(checker.post_check)  # pipelined like the boundary's
+            boundary.before.append(checker.resolve)  # each verdict known after the next step
         txn = None
         if mtgs_config is not None:
             # After the recovery: the DDP bucket replay runs through DDP's default hook.

@@ -75,7 +75,12 @@ class ResiliencyHandle:
 
     @property
     def last_scout(self) -> ScoutResult | None:
-        """The latest SCOUT check (``None`` without ``scout=`` or before the first check)."""
+        """The latest resolved SCOUT check (``None`` without ``scout=`` or before the first).
+
+        Pipelined (the default), every check resolves at the next step's pre-step hook:
+        after ``optimizer.step()`` of step t this is the newest check before t, so a loop
+        reading it after every step sees every verdict, one step late (docs/scout.md).
+        """
         return self.scout.last_result if self.scout is not None else None
 
     @property
