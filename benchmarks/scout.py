@@ -27,7 +27,10 @@ In one run, on real Gloo ranks (CPU):
 
 Prints a table and one JSON line. Not part of the test suite.
 Usage: python benchmarks/scout.py [--world 2] [--rounds 4] [--steps 40] [--trials 6]
-       [--models demo wider] [--quick] [--fixed N]
+       [--models demo wider] [--quick] [--fixed N] [--digests]
+
+``--digests``: the CPU digest's candidate functions on the same tensors in one process
+(zlib's CRC-32, CRC-32C, XXH3-64, a vectorised torch reduction, and SCOUT's digest).
 """
 
 from __future__ import annotations
@@ -38,16 +41,20 @@ import random
 import statistics
 import tempfile
 import time
+import zlib
 from typing import Any
 
+import crc32c
 import torch
 import torch.distributed as dist
+import xxhash
 
 from lm_resiliency import InMemoryCkptConfig
 from lm_resiliency.capture.gate import CommitGate
 from lm_resiliency.checkpointing.manager import InMemoryCheckpointManager
 from lm_resiliency.demo import training as demo
 from lm_resiliency.detection import Scout, ScoutConfig
+from lm_resiliency.detection.digest import digest_tensors
 from lm_resiliency.detection.replay import draw_inputs, flatten_tensors, module_device, replay
 from lm_resiliency.detection.signature import CallSignature, decode, encode
 from lm_resiliency.faults import ComputeFaults, PersistentSDC
@@ -240,7 +247,10 @@ def bare_pass(module: torch.nn.Module, sig: CallSignature, seed: int) -> float:
     """
     device = module_device(module)
     params = [p for p in module.parameters() if p.requires_grad]
-    torch.manual_seed(seed)
+    # The generator's own seed, as the replay seeds it: ``torch.manual_seed`` costs ~0.13
+    # ms here and slows the ops right after it (~0.2 ms per small block), which inflated
+    # the floor of small blocks and flattered every ratio to it.
+    torch.default_generator.manual_seed(seed)
     with torch.enable_grad():
         args, kwargs, leaves = draw_inputs(sig, device)
         enabled, dtype = sig.autocast
@@ -535,6 +545,44 @@ def _exchange(rank: int, world: int, checks: int) -> dict[str, Any]:
     return {"exchange_s": statistics.median(seconds), "bytes": statistics.median(nbytes)}
 
 
+def _digests(reps: int = 200) -> list[dict[str, Any]]:
+    """Microseconds (min, median over ``reps``) of each candidate digest per tensor size.
+
+    Sizes: 64 KiB, a demo GPT layer's parameters (~200 KiB) and a wider GPT layer's
+    (~3 MiB), float32. The torch candidate is a position-weighted sum of the bytes
+    viewed as int64 with fixed odd multipliers (wrapping arithmetic; weights made once).
+    """
+    torch.set_num_threads(1)
+    rows = []
+    for label, numel in (("64 KiB", 1 << 14), ("demo layer", 49_408), ("wider layer", 789_504)):
+        t = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+        raw = t.numpy().data
+        words = t.view(torch.int64)
+        weights = torch.arange(words.numel(), dtype=torch.int64) * 0x5851F42D4C957F2D | 1
+
+        def old(raw: Any = raw) -> int:  # SCOUT's digest before: CRC-32C and zlib's CRC-32
+            return (crc32c.crc32c(raw) << 32) | zlib.crc32(raw)
+
+        cases: dict[str, Any] = {
+            "zlib.crc32": lambda raw=raw: zlib.crc32(raw),
+            "crc32c": lambda raw=raw: crc32c.crc32c(raw),
+            "xxh3_64": lambda raw=raw: xxhash.xxh3_64_intdigest(raw),
+            "torch int64 weighted sum": lambda w=words, k=weights: int((w * k).sum()),
+            "before: crc32c + zlib": old,
+            "now: digest_tensors (crc32c + xxh3)": lambda t=t: digest_tensors([t]),
+        }
+        row: dict[str, Any] = {"size": label, "bytes": numel * 4}
+        for name, fn in cases.items():
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter_ns()
+                fn()
+                times.append(time.perf_counter_ns() - t0)
+            row[name] = (min(times) / 1e3, statistics.median(times) / 1e3)
+        rows.append(row)
+    return rows
+
+
 def _print(m: dict[str, Any]) -> None:
     mode = "pipelined" if m["pipeline"] else "synchronous"
     print(f"[{m['model']}, {mode}] {m['blocks']} blocks, {m['recipes']} recipes")
@@ -584,7 +632,16 @@ def main() -> None:
         metavar="N",
         help="only the fixed cost outside the exchange, minimums over N checks (2 ranks)",
     )
+    ap.add_argument("--digests", action="store_true", help="only the digest candidates")
     args = ap.parse_args()
+    if args.digests:
+        rows = _digests()
+        for row in rows:
+            print(f"{row['size']} ({row['bytes'] / 1024:.0f} KiB), us min / median (GB/s at min):")
+            for name, (lo, med) in list(row.items())[2:]:
+                print(f"  {name:36s} {lo:8.1f} / {med:8.1f}  ({row['bytes'] / lo / 1e3:5.1f})")
+        print(json.dumps({"digests": rows}))
+        return
     if args.fixed:
         res = run_distributed(_fixed, 2, args=(args.fixed,), timeout_s=1800, pg_timeout_s=600)
         for rank, f in enumerate(res):

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # GPU-only checks (CUDA capture path, pinned arenas, SCOUT replays, MTGS shadow and
 # transactions on CUDA, live membership on NCCL);
-# CI never runs this. Uses the machine's own torch; crc32c (persistence only) is not needed.
+# CI never runs this. Uses the machine's own torch; crc32c and xxhash come from .whl/ (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-# crc32c is not in the device image: carry its wheel in .whl/ (see docs/capture.md).
-if ls .whl/crc32c-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/crc32c-*.whl \
+# crc32c and xxhash are not in the device image: carry their wheels in .whl/ (see
+# docs/capture.md).
+if ls .whl/crc32c-*.whl .whl/xxhash-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .whl/crc32c-*.whl .whl/xxhash-*.whl \
     && export PYTHONPATH=src:/tmp/site
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true

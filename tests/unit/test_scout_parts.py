@@ -88,8 +88,9 @@ def test_comparison_groups_from_layouts() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8])
 @pytest.mark.parametrize("path", ["cpu", "device"])
 def test_any_single_bit_flip_changes_the_digest(dtype: torch.dtype, path: str) -> None:
+    """Every bit of every element, one at a time (the CPU digest's CRC-32C half guarantees it)."""
     g = torch.Generator().manual_seed(0)
-    t = (torch.randn(37, 5, generator=g) * 10).to(dtype)
+    t = (torch.randn(11, 3, generator=g) * 10).to(dtype)
 
     def d(x: torch.Tensor) -> int:
         return digest_tensors([x]) if path == "cpu" else device_digest_for_test(x)
@@ -97,11 +98,47 @@ def test_any_single_bit_flip_changes_the_digest(dtype: torch.dtype, path: str) -
     base = d(t)
     assert d(t.clone()) == base
     bits = t.element_size() * 8
-    for index in (0, 17, t.numel() - 1):
-        for bit in (0, bits // 2, bits - 1):
+    seen = {base}
+    for index in range(t.numel()):
+        for bit in range(bits):
             flipped = t.clone()
             flip_bit(flipped, index, bit)
-            assert d(flipped) != base, (index, bit)
+            value = d(flipped)
+            assert value != base, (index, bit)
+            seen.add(value)
+    assert len(seen) == 1 + t.numel() * bits  # and no two flips collide with each other
+
+
+@pytest.mark.parametrize("numel", [3, 61, 4099, 300_007])
+def test_single_bit_flips_in_long_tensors_change_the_digest(numel: int) -> None:
+    """Lengths around the hashes' internal block sizes; flips at the ends and in between."""
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    base = digest_tensors([t])
+    for index in sorted({0, 1, numel // 3, numel // 2, numel - 2, numel - 1}):
+        for bit in (0, 1, 13, 22, 23, 30, 31):
+            flipped = t.clone()
+            flip_bit(flipped, index, bit)
+            assert digest_tensors([flipped]) != base, (index, bit)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_swapping_two_elements_changes_the_digest(dtype: torch.dtype) -> None:
+    """Every pair of distinct elements of a small tensor, and far-apart pairs of a long one."""
+    small = (torch.randn(24, generator=torch.Generator().manual_seed(1)) * 100).to(dtype)
+    base = digest_tensors([small])
+    for i in range(small.numel()):
+        for j in range(i + 1, small.numel()):
+            if torch.equal(small[i], small[j]):
+                continue
+            swapped = small.clone()
+            swapped[i], swapped[j] = small[j], small[i]
+            assert digest_tensors([swapped]) != base, (i, j)
+    long = (torch.randn(200_003, generator=torch.Generator().manual_seed(2)) * 100).to(dtype)
+    base = digest_tensors([long])
+    for i, j in [(0, 1), (0, 199_999), (64, 128), (1000, 1008), (100_000, 200_002)]:
+        swapped = long.clone()
+        swapped[i], swapped[j] = long[j], long[i]
+        assert digest_tensors([swapped]) != base, (i, j)
 
 
 def test_digest_covers_shape_order_and_missing_gradients() -> None:
