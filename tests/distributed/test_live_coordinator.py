@@ -269,3 +269,48 @@ def test_a_silent_coordinator_makes_every_worker_fall_back(live_job) -> None:
         (lost,) = job.events(r, 0, "lost")
         assert lost["kind"] == "CoordinatorLost"
         assert "silent" in lost["message"]
+
+
+def _restart(job: LiveJob, *ranks: tuple[int, int]) -> list[dict[str, Any]]:
+    """Start each (dead) rank again, as its torchrun would; its first event ("ready")."""
+    for rank in ranks:
+        job.workers[rank].wait(timeout=_WAIT_S)
+        job._start_worker(*rank)
+    return [job.wait_for(lambda r=r: job.events(*r, "ready"), f"{r} ready")[0] for r in ranks]
+
+
+@pytest.mark.timeout(240)
+def test_when_every_member_is_gone_their_restarts_start_a_fresh_membership(live_job) -> None:
+    # docs/live-membership.md §2.5: after a fallback restart every worker may fail again (they
+    # did, at the redo of a step). Their restarts must not find an epoch naming the dead
+    # incarnations and wait as joiners with nobody to heal them until join_timeout_s.
+    job = live_job(2)
+    old = {job.events(r, 0, "ready")[0]["inc"] for r in (0, 1)}
+    job.kill((0, 0), (1, 0))
+    job.wait_for(lambda: job.store().check([Keys(_RUN).epoch_record(1)]), "epoch 1")
+    assert job.record(1).members == ()
+    ready = _restart(job, (0, 0), (1, 0))
+    record = job.record(2)
+    assert (record.reason, record.members) == ("start", (0, 1)), record
+    assert record.incarnations == {f"{r}/0": ready[r]["inc"] for r in (0, 1)}
+    assert not old & set(record.incarnations.values())  # fenced: no dead incarnation
+    assert [(e["epoch"], e["members"]) for e in ready] == [(2, [0, 1])] * 2
+    # The fresh membership detects and decides like the first one.
+    job.kill((1, 0))
+    job.adopted(0, 0, 3)
+    assert job.record(3).members == (0,)
+
+
+@pytest.mark.timeout(240)
+def test_below_min_replicas_the_restarted_job_starts_afresh_without_the_old_ranks(
+    live_job,
+) -> None:
+    job = live_job(2, 1, None, "--min-replicas", "2")
+    job.kill((1, 0))
+    assert job.exit_code(0, 0) == 75  # the survivor left (BelowMinReplicas)
+    assert job.record(1).members == ()
+    ready = _restart(job, (0, 0), (1, 0))
+    record = job.record(2)
+    assert (record.reason, record.members) == ("start", (0, 1)), record
+    assert [e["epoch"] for e in ready] == [2, 2]
+    assert record.incarnations == {f"{r}/0": ready[r]["inc"] for r in (0, 1)}

@@ -383,7 +383,8 @@ class Membership:
         return self._await_next(self.config.join_timeout_s, reform=True)
 
     def await_admission(self) -> EpochRecord:
-        """A joiner: wait (bounded by ``join_timeout_s``) for an ``"admit"`` epoch naming it."""
+        """A joiner: wait (bounded by ``join_timeout_s``) for an ``"admit"`` epoch naming it,
+        or for a fresh ``"start"`` epoch that makes it a member (``joining`` is then False)."""
         self._raise_pending(evicted=False)
         keys = self._keys
         deadline = time.monotonic() + self.config.join_timeout_s
@@ -397,6 +398,14 @@ class Membership:
                 if record.heals(self._replica, self._group_rank, self.incarnation):
                     self._epoch, self._members = record.epoch, record.members
                     self._running_lease().set_epoch(record.epoch, joining=True)
+                    return record
+                if record.reason == "start" and record.admits(
+                    self._replica, self._group_rank, self.incarnation
+                ):
+                    # Every member left before this joiner was healed, and the coordinator
+                    # started a fresh membership naming it: a member now, not a joiner.
+                    self.joining = False
+                    self._adopt(record)
                     return record
             if time.monotonic() > deadline:
                 raise CoordinatorLost(
@@ -516,10 +525,25 @@ class Membership:
         if record.admits(self._replica, self._group_rank, self.incarnation):
             self._adopt(record)
             return
-        # The run began before this process: it joins (admission and heal are §6's).
-        current = int(self._ask(lambda s: s.get(keys.epoch)))
-        key = keys.epoch_record(current)
-        record = decode(EpochRecord, self._ask(lambda s: s.get(key)), key=key)
+        # The run began before this process: it joins (admission and heal are §6's), unless
+        # the membership is gone (no member left to heal it): then the coordinator starts a
+        # fresh one, as at epoch 0, once every rank has registered again.
+        while True:
+            current = int(self._ask(lambda s: s.get(keys.epoch)))
+            key = keys.epoch_record(current)
+            record = decode(EpochRecord, self._get(key), key=key)
+            if record.admits(self._replica, self._group_rank, self.incarnation):
+                self._adopt(record)  # a fresh start: recovery from this process's memory
+                return
+            if record.members:
+                break
+            self._running_lease().set_epoch(current, joining=True)  # not evicted by it
+            self._wait_slice(
+                deadline,
+                f"a fresh membership (epoch {current} has no members; the coordinator starts "
+                "one once every replica's ranks registered again)",
+            )
+            self._raise_pending(evicted=False)
         self._epoch, self._members = record.epoch, record.members
         self.register_join()
 
