@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -604,27 +603,9 @@ class LiveSession:
             )  # fmt: skip
 
     def _ask(self, request: Callable[[Any], _T]) -> _T:
-        """One store request on a helper thread, bounded by ``coordinator_timeout_s`` (a
-        request to a stopped coordinator never returns)."""
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = request(self.membership.store())
-            except BaseException as exc:  # handed to the caller
-                box["error"] = exc
-
-        thread = threading.Thread(target=run, name="lmr-live-start", daemon=True)
-        thread.start()
-        thread.join(self.config.coordinator_timeout_s)
-        if thread.is_alive():
-            raise CoordinatorLost(
-                f"live coordinator silent for {self.config.coordinator_timeout_s:g} s at start; "
-                "falling back to whole-job restart with memory recovery"
-            )
-        if "error" in box:
-            raise box["error"]
-        return box["value"]  # type: ignore[no-any-return]
+        """One store request, bounded by the membership's store (``Membership.store``: a
+        request to a stopped coordinator raises ``CoordinatorLost`` instead of hanging)."""
+        return request(self.membership.store())
 
 
 class _KillPointReducer(LiveReducer):
