@@ -7,6 +7,8 @@ once), then:
 
 1. ``add``-s ``coord/beat`` (the workers' sign that the coordinator lives);
 2. before epoch 0: waits until all R x N ranks have connected, then publishes ``epoch/0``;
+   after an epoch with no members (every member gone), the same with ranks whose
+   incarnations were never members: a fresh ``"start"`` epoch (:meth:`Coordinator._restart`);
 3. reads the members' heartbeats (one ``multi_get``), and starts a change on the first of a
    liveness EOF, a ``fail/<E>`` key, or an expired lease;
 4. during a change: writes ``fail/<E>`` if absent, collects ``ack/<E>/<r>/<g>`` until every
