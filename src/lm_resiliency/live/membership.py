@@ -502,25 +502,12 @@ class Membership:
         if record.admits(self._replica, self._group_rank, self.incarnation):
             self._adopt(record)
             return
-        # The run began before this process: it joins (admission and heal are §6's), unless
-        # the membership is gone (no member left to heal it): then the coordinator starts a
-        # fresh one, as at epoch 0, once every rank has registered again.
-        while True:
-            current = int(self._ask(lambda s: s.get(keys.epoch)))
-            key = keys.epoch_record(current)
-            record = decode(EpochRecord, self._get(key), key=key)
-            if record.admits(self._replica, self._group_rank, self.incarnation):
-                self._adopt(record)  # a fresh start: recovery from this process's memory
-                return
-            if record.members:
-                break
-            self._running_lease().set_epoch(current, joining=True)  # not evicted by it
-            self._wait_slice(
-                deadline,
-                f"a fresh membership (epoch {current} has no members; the coordinator starts "
-                "one once every replica's ranks registered again)",
-            )
-            self._raise_pending(evicted=False)
+        # The run began before this process: it joins (admission and heal are §6's). When
+        # the membership is gone (no member left to heal it), the coordinator starts a fresh
+        # one once every rank has registered again, and await_admission returns it.
+        current = int(self._ask(lambda s: s.get(keys.epoch)))
+        key = keys.epoch_record(current)
+        record = decode(EpochRecord, self._get(key), key=key)
         self._epoch, self._members = record.epoch, record.members
         self.register_join()
 
