@@ -131,6 +131,7 @@ def main() -> int:
              inc=m.incarnation, joining=m.joining)  # fmt: skip
         if m.joining:
             record, healed = heal.join(m, rep.load, chunk_bytes=chunk)
+            assert healed is not None, f"epoch {record.epoch} started afresh, no heal"
             _say("healed", step=healed.step, digest=healed.digest, nbytes=healed.nbytes,
                  seconds=healed.seconds, epoch=record.epoch)  # fmt: skip
             m.set_committed(rep.step)

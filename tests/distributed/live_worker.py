@@ -38,6 +38,8 @@ def main() -> int:
     committed = int(os.environ["LIVE_TEST_COMMITTED"])
     m = Membership.from_env(config)
     try:
+        if m.joining:  # the run began before: only a fresh start names it here (no heals)
+            m.await_admission()
         m.set_committed(committed)
         _say("ready", epoch=m.epoch, members=list(m.members), pid=os.getpid(), inc=m.incarnation)
         while not _stop:

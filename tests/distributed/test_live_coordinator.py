@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -24,7 +25,10 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.live.keys import Ack, EpochRecord, Keys, decode
+from lm_resiliency.live.membership import Membership
+from lm_resiliency.live.view import CoordinatorLost
 
 _WORKER = Path(__file__).with_name("live_worker.py")
 _RUN = "live-test"
@@ -269,3 +273,108 @@ def test_a_silent_coordinator_makes_every_worker_fall_back(live_job) -> None:
         (lost,) = job.events(r, 0, "lost")
         assert lost["kind"] == "CoordinatorLost"
         assert "silent" in lost["message"]
+
+
+def _restart(job: LiveJob, *ranks: tuple[int, int]) -> list[dict[str, Any]]:
+    """Start each (dead) rank again, as its torchrun would; its first event ("ready")."""
+    for rank in ranks:
+        job.workers[rank].wait(timeout=_WAIT_S)
+        job._start_worker(*rank)
+    return [job.wait_for(lambda r=r: job.events(*r, "ready"), f"{r} ready")[0] for r in ranks]
+
+
+@pytest.mark.timeout(240)
+def test_when_every_member_is_gone_their_restarts_start_a_fresh_membership(live_job) -> None:
+    # docs/live-membership.md §2.5: after a fallback restart every worker may fail again (they
+    # did, at the redo of a step). Their restarts must not find an epoch naming the dead
+    # incarnations and wait as joiners with nobody to heal them until join_timeout_s.
+    job = live_job(2)
+    old = {job.events(r, 0, "ready")[0]["inc"] for r in (0, 1)}
+    job.kill((0, 0), (1, 0))
+    job.wait_for(lambda: job.store().check([Keys(_RUN).epoch_record(1)]), "epoch 1")
+    assert job.record(1).members == ()
+    ready = _restart(job, (0, 0), (1, 0))
+    record = job.record(2)
+    assert (record.reason, record.members) == ("start", (0, 1)), record
+    assert record.incarnations == {f"{r}/0": ready[r]["inc"] for r in (0, 1)}
+    assert not old & set(record.incarnations.values())  # fenced: no dead incarnation
+    assert [(e["epoch"], e["members"]) for e in ready] == [(2, [0, 1])] * 2
+    # The fresh membership detects and decides like the first one.
+    job.kill((1, 0))
+    job.adopted(0, 0, 3)
+    assert job.record(3).members == (0,)
+
+
+@pytest.mark.timeout(240)
+def test_below_min_replicas_the_restarted_job_starts_afresh_without_the_old_ranks(
+    live_job,
+) -> None:
+    job = live_job(2, 1, None, "--min-replicas", "2")
+    job.kill((1, 0))
+    assert job.exit_code(0, 0) == 75  # the survivor left (BelowMinReplicas)
+    assert job.record(1).members == ()
+    ready = _restart(job, (0, 0), (1, 0))
+    record = job.record(2)
+    assert (record.reason, record.members) == ("start", (0, 1)), record
+    assert [e["epoch"] for e in ready] == [2, 2]
+    assert record.incarnations == {f"{r}/0": ready[r]["inc"] for r in (0, 1)}
+
+
+@pytest.mark.timeout(180)
+def test_the_store_handed_out_is_bounded_against_a_stopped_coordinator(tmp_path: Path) -> None:
+    # Membership.store() is what the heal's transfers and the cross-replica group's Gloo
+    # rendezvous use. A c10d request to a SIGSTOPped coordinator never returns: before, those
+    # callers hung; now each request raises CoordinatorLost naming the address.
+    config = {**_CALM, "coordinator_timeout_s": 2.0}
+    ready = tmp_path / "coord.ready"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in config.items() if k != "poll_slice_s"]
+    with open(tmp_path / "coord.log", "wb") as log:
+        coord = subprocess.Popen(
+            [sys.executable, "-m", "lm_resiliency.cli", "coordinator", "--port", "0",
+             "--run-id", _RUN, "--replica-groups", "1", "--nproc-per-group", "1",
+             "--ready-file", str(ready), *flags],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    m: Membership | None = None
+    try:
+        deadline = time.monotonic() + _WAIT_S
+        while not ready.exists():
+            assert time.monotonic() < deadline and coord.poll() is None, "no coordinator"
+            time.sleep(0.05)
+        address = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+        env = {"LMR_LIVE_COORDINATOR": address, "LMR_LIVE_RUN": _RUN, "LMR_REPLICA_GROUP": "0",
+               "LMR_REPLICA_GROUPS": "1", "RANK": "0"}  # fmt: skip
+        m = Membership.from_env(LiveConfig(**config), env)
+        store = m.store()
+        prefixed = dist.PrefixStore("test", store.clone())  # as the group's rendezvous wraps it
+        prefixed.set("k", "v")
+        assert (store.get("test/k"), prefixed.get("k")) == (b"v", b"v")
+        os.kill(coord.pid, signal.SIGSTOP)
+        errors: dict[str, str] = {}
+
+        def requests() -> None:
+            for name, call in (("get", lambda: store.get("test/k")),
+                               ("check", lambda: store.check(["test/k"])),
+                               ("prefixed get", lambda: prefixed.get("k"))):  # fmt: skip
+                try:
+                    call()
+                except Exception as exc:
+                    errors[name] = f"{type(exc).__name__}: {exc}"
+
+        caller = threading.Thread(target=requests, daemon=True)
+        caller.start()
+        caller.join(_WAIT_S)  # each request is bounded by 2 x coordinator_timeout_s
+        assert not caller.is_alive(), "a store request to the stopped coordinator hung"
+        assert set(errors) == {"get", "check", "prefixed get"}, errors
+        for name in ("get", "check"):
+            assert errors[name].startswith("CoordinatorLost"), errors
+        assert all(address in e and "silent" in e for e in errors.values()), errors
+        with pytest.raises(CoordinatorLost, match="silent"):  # the membership knows it too
+            m.check()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(coord.pid, signal.SIGCONT)
+        coord.terminate()
+        coord.wait(timeout=30)
+        if m is not None:
+            m.close()

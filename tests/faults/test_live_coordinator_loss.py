@@ -34,7 +34,7 @@ _STEPS = 12
 _KILL_AFTER = 7
 _B, _SAMPLES, _SEED = 16, 512, 0
 _TIMING = ["--heartbeat-s", "0.2", "--lease-s", "6", "--stale-s", "3", "--reform-timeout-s", "60",
-           "--coordinator-timeout-s", "10"]  # fmt: skip
+           "--coordinator-timeout-s", "10", "--join-timeout-s", "120"]  # fmt: skip
 _COORD = ["--coordinator-arg=--heartbeat-s=0.2", "--coordinator-arg=--lease-s=6",
           "--coordinator-arg=--stale-s=3"]  # fmt: skip
 _LISTENING = re.compile(r"coordinator listening at \S+ \(generation (\d+), pid (\d+)")
@@ -68,7 +68,7 @@ def _launch(run_dir: Path, *, kill_coordinator: bool) -> tuple[LiveRun, str]:
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         if kill_coordinator:
-            deadline = time.monotonic() + 600
+            deadline = time.monotonic() + 240
             while not all(len(_commits(run_dir, r)) >= _KILL_AFTER for r in range(4)):
                 assert proc.poll() is None, log.read_text()[-4000:]
                 assert time.monotonic() < deadline, log.read_text()[-4000:]
@@ -79,11 +79,11 @@ def _launch(run_dir: Path, *, kill_coordinator: bool) -> tuple[LiveRun, str]:
             os.kill(int(pid), signal.SIGKILL)
             t_kill = time.time()
             while any(_alive(p) for p in workers):
-                assert time.monotonic() < deadline + 300, "a worker did not leave after the loss"
+                assert time.monotonic() < deadline + 60, "a worker did not leave after the loss"
                 time.sleep(0.05)
             (run_dir / "fallback_s").write_text(repr(time.time() - t_kill))
             (run_dir / "t_kill").write_text(repr(t_kill))
-        rc = proc.wait(timeout=600)
+        rc = proc.wait(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -98,13 +98,7 @@ def _launch(run_dir: Path, *, kill_coordinator: bool) -> tuple[LiveRun, str]:
     return run, text
 
 
-@pytest.mark.timeout(1500)
-@pytest.mark.skip(
-    reason="open defect, not run in CI (a run waits out join_timeout_s): after the fallback "
-    "restart the redo of step 6 aborts with forward_exception "
-    "(the restored live sampler), and the next restart finds epoch 0 naming dead "
-    "incarnations, so every worker waits as a joiner (docs/live-membership.md §2.5)",
-)
+@pytest.mark.timeout(600)
 def test_coordinator_killed_falls_back_and_recovers_from_memory(tmp_path: Path) -> None:
     (tmp_path / "ref").mkdir()
     (tmp_path / "kill").mkdir()

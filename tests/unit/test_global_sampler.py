@@ -362,3 +362,40 @@ def test_reseed_step_pins_torch_and_only_on_request_python_and_numpy() -> None:
     reseed_step(9, 4, 1, 3, python_and_numpy=True)
     assert (random.random(), np.random.random()) == (p, q)
     assert len({step_seed(9, s, i, m) for s in (1, 2) for i, m in ((0, 1), (0, 2), (1, 2))}) == 6
+
+
+@dataclass
+class FlakySource(Source):
+    """A share source whose first ``fail`` reads raise (a membership read that failed)."""
+
+    fail: int = 1
+
+    def current(self) -> Share:
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("membership read failed")
+        return super().current()
+
+
+def test_a_failed_draw_leaves_the_loader_usable_for_the_retry_of_the_step() -> None:
+    # MTGS retries an aborted step with the same DataLoader iterator. A generator sampler
+    # ended at the first exception, and every retry then got a bare StopIteration (an abort
+    # with an empty message), never the batch and never the real error.
+    n, b, seed = 20, 4, 3
+    src = FlakySource(step=6, index=1, count=2)
+    sampler = GlobalBatchSampler(n, b, seed, src, steps=12)
+    sampler.load_state_dict({**sampler.state_dict(), "served": 5})  # recovered step 5
+    batches = iter(DataLoader(Ids(n), batch_sampler=sampler, num_workers=0))
+    with pytest.raises(RuntimeError, match="membership read failed"):
+        next(batches)
+    assert next(batches).tolist() == split(global_indices(seed, 6, n, b), 1, 2)  # the retry
+    # A position error stays that error at every retry (not StopIteration after the first).
+    stale = GlobalBatchSampler(n, b, seed, Source(step=6), steps=12)
+    it = iter(DataLoader(Ids(n), batch_sampler=stale, num_workers=0))
+    for _ in range(3):
+        with pytest.raises(ConfigError, match="asked for the batch of step 6 but the next step"):
+            next(it)
+    # The end of the run is still the end of the iteration.
+    src.step = 13
+    with pytest.raises(StopIteration):
+        next(batches)

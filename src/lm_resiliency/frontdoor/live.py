@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -515,15 +514,17 @@ class LiveSession:
             last_change=change,
         )
 
-    def join(self, capture: CaptureTree) -> tuple[int, float]:
+    def join(self, capture: CaptureTree) -> tuple[int, float] | None:
         """A replica restarted after the run began: healed by a member, then admitted.
 
         Its own memory slot is stale and is not recovered from. It waits (bounded by
         ``join_timeout_s``) for an admission naming it, receives the donor's capture tree of
         step h, applies it through the restore path (``CaptureTree.apply``, what recovery
         applies), acks its digest and adopts the epoch that admits it. Returns ``(h,
-        seconds)``: training goes on at h + 1. Raises ``CoordinatorLost`` (no admission in
-        time) and ``HealFailed`` when the loaded state does not match the donor's.
+        seconds)``: training goes on at h + 1. Returns None when every member left first and
+        the coordinator started a fresh membership naming this process: it is a member then,
+        and recovers from its own memory like every other. Raises ``CoordinatorLost`` (no
+        admission in time) and ``HealFailed`` when the loaded state does not match the donor's.
         """
         self._log("live.joining", epoch=self.membership.epoch)
         log.warning(
@@ -539,6 +540,15 @@ class LiveSession:
             return capture.build(step)
 
         record, healed = heal.join(self.membership, load)
+        if healed is None:
+            log.warning(
+                "live membership: replica %d: every member left before it was healed; the "
+                "coordinator started a fresh membership (epoch %d), so it recovers from its "
+                "own memory",
+                self.replica,
+                record.epoch,
+            )
+            return None
         seconds = time.perf_counter() - t0
         self.membership.set_committed(healed.step)
         self._full = len(record.members) == self.membership.replicas
@@ -593,27 +603,9 @@ class LiveSession:
             )  # fmt: skip
 
     def _ask(self, request: Callable[[Any], _T]) -> _T:
-        """One store request on a helper thread, bounded by ``coordinator_timeout_s`` (a
-        request to a stopped coordinator never returns)."""
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = request(self.membership.store())
-            except BaseException as exc:  # handed to the caller
-                box["error"] = exc
-
-        thread = threading.Thread(target=run, name="lmr-live-start", daemon=True)
-        thread.start()
-        thread.join(self.config.coordinator_timeout_s)
-        if thread.is_alive():
-            raise CoordinatorLost(
-                f"live coordinator silent for {self.config.coordinator_timeout_s:g} s at start; "
-                "falling back to whole-job restart with memory recovery"
-            )
-        if "error" in box:
-            raise box["error"]
-        return box["value"]  # type: ignore[no-any-return]
+        """One store request, bounded by the membership's store (``Membership.store``: a
+        request to a stopped coordinator raises ``CoordinatorLost`` instead of hanging)."""
+        return request(self.membership.store())
 
 
 class _KillPointReducer(LiveReducer):

@@ -7,6 +7,8 @@ once), then:
 
 1. ``add``-s ``coord/beat`` (the workers' sign that the coordinator lives);
 2. before epoch 0: waits until all R x N ranks have connected, then publishes ``epoch/0``;
+   after an epoch with no members (every member gone), the same with ranks whose
+   incarnations were never members: a fresh ``"start"`` epoch (:meth:`Coordinator._restart`);
 3. reads the members' heartbeats (one ``multi_get``), and starts a change on the first of a
    liveness EOF, a ``fail/<E>`` key, or an expired lease;
 4. during a change: writes ``fail/<E>`` if absent, collects ``ack/<E>/<r>/<g>`` until every
@@ -174,8 +176,10 @@ class Coordinator:
         self._floor = 0
         """The oldest epoch a member may still be in (older than ``epoch`` during an
         admission: members step in E while ``epoch/<E+1>`` says "admit")."""
-        self._connected: dict[Rank, str] = {}
-        """Open liveness connections (rank to incarnation), joiners' included."""
+        self._connected: dict[Rank, Hello] = {}
+        """Open liveness connections (rank to its hello), joiners' included."""
+        self._retired: set[str] = set()
+        """Incarnations that were members once: never part of a fresh start."""
         self._progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self._ignored: set[tuple[str, str]] = set()
         self._costs: collections.deque[float] = collections.deque(maxlen=100_000)
@@ -199,7 +203,9 @@ class Coordinator:
         if self.epoch < 0:
             if len(self._registered) == self.replicas * self.nproc:
                 self._start()
-        elif self.members:
+        elif not self.members:
+            self._restart()
+        else:
             self._read_heartbeats()
             self._check_failure_key()
             self._register_joiners()
@@ -221,8 +227,8 @@ class Coordinator:
     def _on_liveness(self, event: Hello | Gone) -> None:
         rank = (event.replica, event.group_rank)
         if isinstance(event, Hello):
-            self._connected[rank] = event.inc
-        elif self._connected.get(rank) == event.inc:
+            self._connected[rank] = event
+        elif rank in self._connected and self._connected[rank].inc == event.inc:
             del self._connected[rank]
         if isinstance(event, Hello):
             if self.epoch < 0 and event.replica < self.replicas and event.group_rank < self.nproc:
@@ -250,7 +256,7 @@ class Coordinator:
         ):
             adm.cancelled = f"joiner r{rank[0]}g{rank[1]} liveness EOF (pid {event.pid})"
 
-    def _start(self) -> None:
+    def _start(self, cause: str = "") -> None:
         now = time.monotonic()
         self._ranks = {
             rank: _Member(inc=h.inc, pid=h.pid, seen=now) for rank, h in self._registered.items()
@@ -259,14 +265,35 @@ class Coordinator:
         t = time.time()
         self._publish(
             EpochRecord(
-                epoch=0,
+                epoch=self.epoch + 1,
                 members=tuple(range(self.replicas)),
                 reason="start",
+                cause=cause,
                 t_detect=t,
                 t_publish=t,
                 incarnations=self._incarnations(range(self.replicas)),
             )
         )
+
+    def _restart(self) -> None:
+        """The published epoch has no members (every one died, or fewer than
+        ``min_replicas`` were left): start a fresh membership, as at epoch 0, once all R x N
+        ranks are connected with incarnations that were never members (their restarts).
+
+        Without it the restarted workers found an epoch naming dead incarnations, registered
+        as joiners with no member left to heal them, and waited until ``join_timeout_s``.
+        """
+        fresh = {
+            rank: hello
+            for rank, hello in self._connected.items()
+            if hello.inc not in self._retired and rank[0] < self.replicas and rank[1] < self.nproc
+        }
+        if len(fresh) < self.replicas * self.nproc:
+            return
+        self._registered = fresh
+        self.joiners.clear()
+        self._pending, self.admission = None, None
+        self._start(f"epoch {self.epoch} had no members; a fresh membership of the restarted ranks")
 
     # -- detection -----------------------------------------------------------------------
 
@@ -427,6 +454,7 @@ class Coordinator:
         self.store.set(self.keys.epoch, str(record.epoch))
         self.epoch, self.members = record.epoch, record.members
         self._floor = record.epoch if floor is None else floor
+        self._retired.update(m.inc for m in self._ranks.values())
         now = time.monotonic()
         self._ranks = {
             rank: _Member(inc=m.inc, pid=m.pid, seen=now, raw=m.raw, committed=m.committed)
@@ -474,7 +502,8 @@ class Coordinator:
                 except ValueError as exc:
                     self._ignore(key, str(exc))
                     continue
-                if self._connected.get((r, g)) != join.inc:
+                hello = self._connected.get((r, g))
+                if hello is None or hello.inc != join.inc:
                     continue  # a dead incarnation's record: its restart writes a new one
                 joiner = self.joiners.setdefault(r, Joiner(r, registered_at=time.time()))
                 if joiner.ranks.get(g) != join:

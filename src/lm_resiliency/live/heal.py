@@ -332,17 +332,22 @@ def join(
     load: Callable[[Any], Any],
     *,
     chunk_bytes: int = REPLICATION_CHUNK_BYTES,
-) -> tuple[EpochRecord, Healed]:
+) -> tuple[EpochRecord, Healed | None]:
     """The joiner: wait for an admission, receive, ``load(tree)``, ack the digest, join.
 
     ``load`` applies the received tree to this process's state and returns the state tree
     as loaded (same structure); its digest must equal the donor's. A failed receive or load
     is acked as an error, and the joiner waits for the next admission (the next donor, after
-    a loss). Returns the epoch that admitted this replica and what was received. Raises
-    ``CoordinatorLost`` when no admission comes within ``join_timeout_s``.
+    a loss). Returns the epoch that admitted this replica and what was received, or
+    ``(record, None)`` when every member left first and the coordinator started a fresh
+    membership naming this process (``membership.joining`` is then False: it recovers from
+    its own memory, as at a start). Raises ``CoordinatorLost`` when no admission comes
+    within ``join_timeout_s``.
     """
     while True:
         record = membership.await_admission()
+        if not membership.joining:
+            return record, None  # a fresh membership: no heal, recovery from own memory
         try:
             healed = receive(membership, record, chunk_bytes=chunk_bytes)
             digest = state_digest(load(healed.tree))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import threading
 import time
 import uuid
@@ -35,11 +34,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from lm_resiliency.errors import ConfigError
+from lm_resiliency.live.bounded import BoundedStore, Requester
 from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.live.keys import (
     Ack,
@@ -94,53 +94,6 @@ class Change:
         )
 
 
-class _Requester:
-    """One daemon thread that runs the caller's store requests on its own client.
-
-    A c10d request to a coordinator that is alive but stopped (SIGSTOP, a wedged host) never
-    returns, whatever the store's timeout (measured on torch 2.13: ``check``, ``get``,
-    ``add``, ``compare_set`` all hang). The caller waits for the answer at most
-    ``timeout_s``; a request that does not return leaves this thread stuck, and the
-    membership lost.
-    """
-
-    def __init__(self, factory: Callable[[], dist.Store], name: str) -> None:
-        self._factory = factory
-        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def call(self, request: Callable[[dist.Store], _T], timeout_s: float) -> _T:
-        item = _Request(request)
-        self._queue.put(item)
-        if not item.done.wait(timeout_s):
-            raise TimeoutError(f"a store request did not return within {timeout_s:g} s")
-        if item.error is not None:
-            raise item.error
-        return cast(_T, item.value)
-
-    def close(self) -> None:
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        store: dist.Store | None = None
-        while (item := self._queue.get()) is not None:
-            try:
-                store = store or self._factory()
-                item.value = item.fn(store)
-            except BaseException as exc:  # handed to the caller's thread
-                item.error = exc
-            item.done.set()
-
-
-class _Request:
-    def __init__(self, fn: Callable[[dist.Store], object]) -> None:
-        self.fn = fn
-        self.value: object = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-
 class Membership:
     """One worker rank's membership: registration, lease, failure flag, reform.
 
@@ -181,7 +134,8 @@ class Membership:
         self._closed = False
         self._liveness: LivenessClient | None = None
         self._lease: Lease | None = None
-        self._requests = _Requester(self.store, f"lmr-live-requests-r{replica}g{group_rank}")
+        self._stores: list[BoundedStore] = []
+        self._requests = Requester(self._client, f"lmr-live-requests-r{replica}g{group_rank}")
         try:
             self._register()
         except BaseException:
@@ -252,25 +206,46 @@ class Membership:
         return self._members.index(self._replica)
 
     def store(self) -> dist.Store:
-        """This thread's own client (note: a request to a stopped coordinator never returns;
-        the membership's own requests are bounded through a helper thread)."""
-        client: dist.Store | None = getattr(self._local, "store", None)
+        """This thread's own client, every request of it bounded (docs/live-membership.md §2.5).
+
+        A request may take the store's timeout (``coordinator_timeout_s``, or what
+        ``set_timeout`` sets) plus ``coordinator_timeout_s``; one that does not return by then
+        (a stopped coordinator never answers) marks the membership lost and raises
+        ``CoordinatorLost`` naming the coordinator's address.
+        """
+        client: BoundedStore | None = getattr(self._local, "store", None)
         if client is None:
-            try:
-                client = dist.TCPStore(
-                    self._host,
-                    self._port,
-                    is_master=False,
-                    wait_for_workers=False,
-                    timeout=timedelta(seconds=self.config.coordinator_timeout_s),
-                )
-            except StoreErrors as exc:
-                raise CoordinatorLost(
-                    f"live coordinator {self._address} unreachable ({brief(exc)}); falling back to "
-                    "whole-job restart with memory recovery"
-                ) from exc
+            client = BoundedStore(
+                self._client,
+                address=self._address,
+                timeout_s=self.config.coordinator_timeout_s,
+                slack_s=self.config.coordinator_timeout_s,
+                on_lost=self._mark_lost,
+                name=f"lmr-live-store-r{self._replica}g{self._group_rank}",
+            )
+            self._stores.append(client)
             self._local.store = client
         return client
+
+    def _client(self) -> dist.Store:
+        """A new raw client of the coordinator's store (its requests are not bounded)."""
+        try:
+            return dist.TCPStore(
+                self._host,
+                self._port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=self.config.coordinator_timeout_s),
+            )
+        except StoreErrors as exc:
+            raise CoordinatorLost(
+                f"live coordinator {self._address} unreachable ({brief(exc)}); falling back to "
+                "whole-job restart with memory recovery"
+            ) from exc
+
+    def _mark_lost(self, why: str) -> None:
+        if self._lease is not None:
+            self._lease.mark_lost(why)
 
     def failed(self) -> str | None:
         self._raise_pending()
@@ -383,7 +358,8 @@ class Membership:
         return self._await_next(self.config.join_timeout_s, reform=True)
 
     def await_admission(self) -> EpochRecord:
-        """A joiner: wait (bounded by ``join_timeout_s``) for an ``"admit"`` epoch naming it."""
+        """A joiner: wait (bounded by ``join_timeout_s``) for an ``"admit"`` epoch naming it,
+        or for a fresh ``"start"`` epoch that makes it a member (``joining`` is then False)."""
         self._raise_pending(evicted=False)
         keys = self._keys
         deadline = time.monotonic() + self.config.join_timeout_s
@@ -397,6 +373,14 @@ class Membership:
                 if record.heals(self._replica, self._group_rank, self.incarnation):
                     self._epoch, self._members = record.epoch, record.members
                     self._running_lease().set_epoch(record.epoch, joining=True)
+                    return record
+                if record.reason == "start" and record.admits(
+                    self._replica, self._group_rank, self.incarnation
+                ):
+                    # Every member left before this joiner was healed, and the coordinator
+                    # started a fresh membership naming it: a member now, not a joiner.
+                    self.joining = False
+                    self._adopt(record)
                     return record
             if time.monotonic() > deadline:
                 raise CoordinatorLost(
@@ -461,6 +445,8 @@ class Membership:
         if self._liveness is not None:
             self._liveness.close()
         self._requests.close()
+        for store in self._stores:
+            store.close()
         self._local = threading.local()
 
     def __enter__(self) -> Membership:
@@ -500,7 +486,7 @@ class Membership:
         self._lease = Lease(
             identity=identity,
             config=self.config,
-            store_factory=self.store,
+            store_factory=self._client,
             liveness=self._liveness,
             epoch=0,
         )
@@ -516,10 +502,12 @@ class Membership:
         if record.admits(self._replica, self._group_rank, self.incarnation):
             self._adopt(record)
             return
-        # The run began before this process: it joins (admission and heal are §6's).
+        # The run began before this process: it joins (admission and heal are §6's). When
+        # the membership is gone (no member left to heal it), the coordinator starts a fresh
+        # one once every rank has registered again, and await_admission returns it.
         current = int(self._ask(lambda s: s.get(keys.epoch)))
         key = keys.epoch_record(current)
-        record = decode(EpochRecord, self._ask(lambda s: s.get(key)), key=key)
+        record = decode(EpochRecord, self._get(key), key=key)
         self._epoch, self._members = record.epoch, record.members
         self.register_join()
 

@@ -331,11 +331,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
     # -- the batch sampler ---------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[list[int]]:
-        while True:
-            share = self._source.current()
-            if self.steps is not None and share.step > self.steps:
-                return
-            yield self._draw(share)
+        # Not a generator: an exception in a generator ends it, so after one failed draw
+        # every retry of the step (MTGS redoes an aborted step with the same loader) would
+        # get a bare StopIteration instead of the error or the batch.
+        return _Draws(self)
+
+    def _next(self) -> list[int]:
+        share = self._source.current()
+        if self.steps is not None and share.step > self.steps:
+            raise StopIteration
+        return self._draw(share)
 
     def __len__(self) -> int:
         if self.steps is None:
@@ -423,6 +428,22 @@ class GlobalBatchSampler(Sampler[list[int]]):
             raise ConfigError(f"sampler state has served={served!r}; expected an int >= 0")
         self._served = served
         self._last = None
+
+
+class _Draws(Iterator[list[int]]):
+    """``iter(GlobalBatchSampler)``: each ``next()`` draws the current step's share.
+
+    A draw that raises leaves it usable: the next ``next()`` reads the share again.
+    """
+
+    def __init__(self, sampler: GlobalBatchSampler) -> None:
+        self._sampler = sampler
+
+    def __iter__(self) -> _Draws:
+        return self
+
+    def __next__(self) -> list[int]:
+        return self._sampler._next()
 
 
 def check_loader(obj: object) -> None:
