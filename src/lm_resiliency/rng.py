@@ -36,15 +36,7 @@ class RngState:
     @classmethod
     def capture(cls) -> RngState:
         """Read the current states (no device synchronisation; a few kilobytes)."""
-        cuda: tuple[torch.Tensor, ...] = ()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            cuda = tuple(torch.cuda.get_rng_state_all())
-        return cls(
-            torch_cpu=torch.get_rng_state(),
-            torch_cuda=cuda,
-            python=random.getstate(),
-            numpy=np.random.get_state(legacy=False),
-        )
+        return cls(*_read())
 
     def restore(self) -> None:
         """Put every generator back to this snapshot.
@@ -92,8 +84,23 @@ class RngState:
 
 
 def capture_rng() -> dict[str, Any]:
-    """The generators' states now, as a state tree (a few kilobytes; no device synchronisation)."""
-    return RngState.capture().as_tree()
+    """The generators' states now, as a state tree (a few kilobytes; no device synchronisation).
+
+    What :meth:`RngState.as_tree` gives for :meth:`RngState.capture`, built directly: it
+    runs at every capture boundary, on the training thread.
+    """
+    cpu, cuda, python, numpy = _read()
+    return {"torch_cpu": cpu, "torch_cuda": list(cuda), "python": python, "numpy": numpy}
+
+
+def _read() -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[Any, ...], dict[str, Any]]:
+    """torch CPU, every CUDA device (when CUDA is initialised), Python ``random``, NumPy."""
+    cuda: tuple[torch.Tensor, ...] = ()
+    # is_initialized() alone: CUDA cannot be initialised where it is not available, and
+    # is_available() asks the driver (microseconds at every capture boundary).
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        cuda = tuple(torch.cuda.get_rng_state_all())
+    return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state(legacy=False)
 
 
 def restore_rng(state: dict[str, Any]) -> None:

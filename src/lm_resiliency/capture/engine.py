@@ -213,6 +213,8 @@ class CaptureEngine:
         self._closed = False
         self._streams: dict[torch.device, Any] = {}
         self._running: _Cycle | None = None
+        self._spare: tuple[threading.Event, threading.Event] | None = None
+        """The next capture's events, made off the caller's thread (``_take_events``)."""
         self._death: BaseException | None = None
         """What stopped the worker thread (``None`` while it runs)."""
         self._worker = threading.Thread(target=self._run, name=f"lmr-capture-r{rank}", daemon=True)
@@ -251,7 +253,10 @@ class CaptureEngine:
         partial = begin_encoding(state)
         slot = self._rotate()
         ready = self._record_ready_on(self._devices)
-        self._submit(_Cycle(step, slot, None, None, ready, t0, partial, gate=gate))
+        captured, finished = self._take_events()
+        self._submit(
+            _Cycle(step, slot, None, None, ready, t0, partial, captured, finished, gate=gate)
+        )
 
     def capture_tensors(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int
@@ -282,6 +287,15 @@ class CaptureEngine:
         ready = self._record_ready(encoded.tensors)
         self._submit(_Cycle(step, slot, layout, encoded, ready, t0, gate=gate))
 
+    def _take_events(self) -> tuple[threading.Event, threading.Event]:
+        """A cycle's two events, made by the worker while it ran the previous cycle.
+
+        Read only after that cycle finished (``_finish_previous``) and before the next
+        job is queued, so the worker is not writing ``_spare`` then.
+        """
+        spare, self._spare = self._spare, None
+        return spare if spare is not None else (threading.Event(), threading.Event())
+
     def _submit(self, cycle: _Cycle) -> None:
         self._enqueue(cycle)
         self.stats.captures += 1
@@ -297,7 +311,8 @@ class CaptureEngine:
             self._raise_pending()
             return
         t0 = time.perf_counter()
-        self._wait_for(cycle.captured)
+        if not cycle.captured.is_set():  # the usual case, a copy done during the step: no wait
+            self._wait_for(cycle.captured)
         waited = self.stats.kept_wait_s if cycle.keep is not None else self.stats.wait_s
         waited.append(time.perf_counter() - t0)
         self._raise_pending()
@@ -517,6 +532,8 @@ class CaptureEngine:
                     if not self._jobs:
                         return
                     cycle = self._running = self._jobs.pop(0)
+                if self._spare is None:  # before this cycle finishes: see _take_events
+                    self._spare = (threading.Event(), threading.Event())
                 if cycle.keep is not None:
                     self._run_keep(cycle, cycle.keep)
                 else:
