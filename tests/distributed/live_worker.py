@@ -46,6 +46,7 @@ def main() -> int:
             cause = m.failed()
             if cause is not None:
                 _say("failed", epoch=m.epoch, cause=cause)
+                time.sleep(float(os.environ.get("LIVE_TEST_ACK_DELAY_S", "0")))  # busy in a step
                 record = m.reform(Ack(inc="", committed=committed))
                 change = dataclasses.asdict(m.last_change) if m.last_change else None
                 _say("epoch", epoch=record.epoch, members=list(record.members), change=change)

@@ -46,10 +46,17 @@ class LiveJob:
     """A coordinator process and R x N worker processes; every process is reaped at close."""
 
     def __init__(
-        self, tmp: Path, replicas: int, nproc: int, config: dict[str, float], *coord_args: str
+        self,
+        tmp: Path,
+        replicas: int,
+        nproc: int,
+        config: dict[str, float],
+        *coord_args: str,
+        ack_delay: dict[int, float] | None = None,
     ) -> None:
         self.tmp, self.replicas, self.nproc, self.config = tmp, replicas, nproc, config
         self.workers: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
+        self.ack_delay: dict[int, float] = dict(ack_delay or {})
         ready = tmp / "coord.ready"
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in config.items() if k != "poll_slice_s"]
         self.coord_log = tmp / "coord.log"
@@ -79,6 +86,7 @@ class LiveJob:
             "WORLD_SIZE": str(self.nproc),
             "LIVE_TEST_CONFIG": json.dumps(self.config),
             "LIVE_TEST_COMMITTED": str(_committed(r)),
+            "LIVE_TEST_ACK_DELAY_S": str(self.ack_delay.get(r, 0.0)),
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
         }
@@ -156,8 +164,8 @@ def live_job(tmp_path: Path) -> Iterator[Callable[..., LiveJob]]:
     jobs: list[LiveJob] = []
 
     def start(replicas: int, nproc: int = 1, config: dict[str, float] | None = None,
-              *coord_args: str) -> LiveJob:  # fmt: skip
-        job = LiveJob(tmp_path, replicas, nproc, config or _CALM, *coord_args)
+              *coord_args: str, ack_delay: dict[int, float] | None = None) -> LiveJob:  # fmt: skip
+        job = LiveJob(tmp_path, replicas, nproc, config or _CALM, *coord_args, ack_delay=ack_delay)
         jobs.append(job)
         return job
 
@@ -184,6 +192,22 @@ def test_sigkill_makes_a_new_epoch_without_the_replica_detected_by_eof(live_job)
     assert all(c["effective_step"] == _committed(1) + 1 for c in changes)
     print(f"\nEOF detection {1e3 * (record.t_detect - t_kill):.1f} ms after the kill, "
           f"published {1e3 * (record.t_publish - t_kill):.1f} ms")  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_a_survivor_busy_in_its_step_longer_than_the_lease_is_waited_for(live_job) -> None:
+    # A survivor acks when its training thread reaches its next collective, which can be a
+    # whole forward pass after the death. Its heartbeat stays fresh: it is alive, and the
+    # change must wait for it. Before ack_timeout_s the wait was capped at lease_s, so every
+    # survivor with a step longer than the lease was evicted with the dead replica (the demo
+    # evicted a healthy replica that way under load).
+    timing = {**_CALM, "lease_s": 1.0, "stale_s": 0.5}
+    job = live_job(3, 1, timing, ack_delay={1: 4.0})  # 4 s: four leases
+    job.kill((2, 0))
+    record = job.record(1) if job.adopted(0, 0, 1) else None
+    assert record is not None and record.members == (0, 1), record
+    assert job.adopted(1, 0, 1)["members"] == [0, 1]
+    assert record.resume_step == _committed(1)
 
 
 @pytest.mark.timeout(240)

@@ -38,6 +38,7 @@ _TIMINGS = (
     "stale_s",
     "decision_tick_s",
     "poll_slice_s",
+    "ack_timeout_s",
     "reform_timeout_s",
     "coordinator_timeout_s",
     "join_timeout_s",

@@ -25,7 +25,7 @@ class LiveConfig:
 
     lease_s: float = 0.5
     """A rank with no heartbeat for this long is lost (covers SIGSTOP, a wedged process, a node
-    gone without a FIN). Must be >= 3 x ``heartbeat_s``. It also caps the ack collection."""
+    gone without a FIN). Must be >= 3 x ``heartbeat_s``."""
 
     stale_s: float = 0.25
     """While acks are collected, a rank whose heartbeat is older than this counts as dead and
@@ -37,9 +37,16 @@ class LiveConfig:
     decision_tick_s: float = 0.01
     """Period of the coordinator's decision loop (a liveness EOF wakes it at once)."""
 
+    ack_timeout_s: float = 60.0
+    """During a change, how long the coordinator waits for the ack of a rank whose heartbeat is
+    fresh. A survivor acks when its training thread reaches its next collective, so this must
+    cover one step's compute (with gradient accumulation, a whole step); a rank that is still
+    heartbeating but has not acked by then (its training thread is wedged) is dropped. Dead and
+    silent ranks never hold the change up (``stale_s``)."""
+
     reform_timeout_s: float = 5.0
-    """A worker that sees no ``epoch/<E+1>`` within this after acking falls back
-    (``CoordinatorLost``)."""
+    """A worker that sees no ``epoch/<E+1>`` within this plus ``ack_timeout_s`` after acking
+    falls back (``CoordinatorLost``)."""
 
     coordinator_timeout_s: float = 3.0
     """A worker that sees ``coord/beat`` unchanged for this long falls back
@@ -99,6 +106,7 @@ _RULES = {
     "stale_s": positive_time("stale_s=0.25"),
     "poll_slice_s": positive_time("poll_slice_s=0.05"),
     "decision_tick_s": positive_time("decision_tick_s=0.01"),
+    "ack_timeout_s": positive_time("ack_timeout_s=60"),
     "reform_timeout_s": positive_time("reform_timeout_s=5"),
     "coordinator_timeout_s": positive_time("coordinator_timeout_s=3"),
     "join_timeout_s": positive_time("join_timeout_s=600"),

@@ -13,7 +13,8 @@ once), then:
    liveness EOF, a ``fail/<E>`` key, or an expired lease;
 4. during a change: writes ``fail/<E>`` if absent, collects ``ack/<E>/<r>/<g>`` until every
    member rank has acked or is dead (EOF, or a heartbeat older than ``stale_s``), capped at
-   ``lease_s``; then publishes ``epoch/<E+1>`` and ``epoch``;
+   ``ack_timeout_s`` for ranks that are alive but busy in their step; then publishes
+   ``epoch/<E+1>`` and ``epoch``;
 5. registers joiners (``join/<r>/<g>`` of an incarnation whose liveness socket is open); an
    admission is scheduled once all N ranks of a replica joined and no change is under way
    (:meth:`Coordinator.schedule_admission`): ``epoch/<E+1>`` with the members unchanged,
@@ -361,7 +362,7 @@ class Coordinator:
         _log.info("epoch %d failed: %s", self.epoch, cause)
         self._pending = _Pending(
             t_detect=time.time(),
-            deadline=time.monotonic() + self.config.lease_s,
+            deadline=time.monotonic() + self.config.ack_timeout_s,
             causes=[cause],
         )
         flag = encode_text(Failure(by="coordinator", reason=cause, t=time.time()))

@@ -272,16 +272,17 @@ class Membership:
         if self.failed() is None:  # reforming starts a change if nobody flagged one
             self.report_failure("reform")
         target = epoch + 1
-        deadline = time.monotonic() + self.config.reform_timeout_s
+        # The coordinator may wait ack_timeout_s for a member still busy in its step.
+        bound_s = self.config.ack_timeout_s + self.config.reform_timeout_s
+        deadline = time.monotonic() + bound_s
         while True:
             key = self._keys.epoch_record(target)
             while not self._ask(lambda s, key=key: s.check([key])):  # type: ignore[misc]
                 if time.monotonic() > deadline:
                     raise CoordinatorLost(
                         f"no membership epoch {target} from the live coordinator "
-                        f"{self._address} within reform_timeout_s="
-                        f"{self.config.reform_timeout_s:g}; falling back to whole-job restart "
-                        "with memory recovery"
+                        f"{self._address} within ack_timeout_s + reform_timeout_s = "
+                        f"{bound_s:g} s; falling back to whole-job restart with memory recovery"
                     )
                 time.sleep(self.config.poll_slice_s)
                 self._raise_pending(evicted=False)
