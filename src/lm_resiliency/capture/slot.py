@@ -312,19 +312,31 @@ class Slot:
             self.document = None
         return layout, handle.hand_over(), document
 
+    def hold(self, step: int | None = None) -> None:
+        """Take a read guard: the arena is not overwritten, freed or handed over until
+        :meth:`unhold`. Raises ``LookupError`` when the slot is not complete (or holds
+        another step). Prefer :meth:`reading`; this form is for a guard taken on one
+        thread and released on another (a queued disk write)."""
+        with self._cond:
+            if not self.complete or (step is not None and self.step != step):
+                raise LookupError(f"slot {self.name} does not hold a complete step {step}")
+            self._readers += 1
+
+    def unhold(self) -> None:
+        """Release a guard taken by :meth:`hold`."""
+        with self._cond:
+            assert self._readers > 0, f"slot {self.name}: unhold() without hold()"
+            self._readers -= 1
+            self._cond.notify_all()
+
     @contextmanager
     def reading(self, step: int | None = None) -> Iterator[Slot]:
         """Hold the slot complete (optionally at ``step``) while a background user reads it.
 
         Raises ``LookupError`` when the slot is not complete (or holds another step).
         """
-        with self._cond:
-            if not self.complete or (step is not None and self.step != step):
-                raise LookupError(f"slot {self.name} does not hold a complete step {step}")
-            self._readers += 1
+        self.hold(step)
         try:
             yield self
         finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
+            self.unhold()

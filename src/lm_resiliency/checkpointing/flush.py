@@ -1,9 +1,10 @@
 """Persisting complete slots to node-local storage, off the training thread.
 
 :class:`DiskFlusher` owns one writer thread. ``submit(slots)`` queues complete
-slots (own and peer) for writing and returns at once; the writer holds each
-slot's read guard while writing, so a capture that wants to reuse that slot
-waits for the write instead of tearing it. ``flush_newest`` persists given
+slots (own and peer) for writing and returns at once. It takes each slot's
+read guard at once and the writer releases it after the write, so a capture
+that wants to reuse a slot whose write is still queued waits for it instead of
+overwriting the step before it reached the disk. ``flush_newest`` persists given
 complete slots synchronously (the signal and exit path) within a deadline.
 
 :func:`consistent_newest` chooses what an exit flush persists so that a
@@ -55,11 +56,25 @@ class DiskFlusher:
         self._thread.start()
 
     def submit(self, slots: Sequence[Slot]) -> None:
-        """Queue the complete ``slots`` (at their current step) for persistence."""
+        """Queue the complete ``slots`` (at their current step) for persistence.
+
+        Each queued slot is held (its read guard) until the writer is done with it:
+        a capture rotating onto it meanwhile waits instead of replacing the step
+        before it was written. A slot that is no longer complete is skipped.
+        """
         with self._cv:
+            if self._closed:
+                log.warning("disk flusher is closed: %d slot(s) not persisted", len(slots))
+                return
             for s in slots:
-                if s.complete and s.step is not None:
-                    self._queue.append((s, s.step))
+                step = s.step
+                if step is None:
+                    continue
+                try:
+                    s.hold(step)
+                except LookupError:
+                    continue  # reused already: nothing of this step left to persist
+                self._queue.append((s, step))
             self._cv.notify_all()
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
@@ -101,6 +116,7 @@ class DiskFlusher:
             try:
                 self._write(slot, step)
             finally:
+                slot.unhold()  # the guard submit() took
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
