@@ -2,8 +2,9 @@
 
 Started by ``test_live_coordinator.py`` with the launcher's environment. It commits a fixed
 step (``LIVE_TEST_COMMITTED``) and then loops on ``failed()``; on a failure it acks and reforms.
-Every event is one JSON line on stdout. SIGTERM ends it cleanly (exit 0); ``Evicted`` exits 76,
-``CoordinatorLost`` (and ``BelowMinReplicas``) 75, as the front door will.
+Every event is one JSON line on stdout. SIGTERM ends it cleanly (exit 0); SIGUSR1 finishes
+it as the end of training does (``Membership.finish``, then exit 0); ``Evicted`` exits 76,
+``CoordinatorLost`` (and ``BelowMinReplicas``) 75, ``RunFinished`` 0, as the front door will.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import time
 from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.live.keys import Ack
 from lm_resiliency.live.membership import Membership
-from lm_resiliency.live.view import CoordinatorLost, Evicted
+from lm_resiliency.live.view import CoordinatorLost, Evicted, RunFinished
 
 _stop = False
+_finish = False
 
 
 def _say(event: str, **fields: object) -> None:
@@ -32,11 +34,21 @@ def _on_term(*_: object) -> None:
     _stop = True
 
 
+def _on_usr1(*_: object) -> None:
+    global _stop, _finish
+    _stop = _finish = True
+
+
 def main() -> int:
     signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGUSR1, _on_usr1)
     config = LiveConfig(**json.loads(os.environ["LIVE_TEST_CONFIG"]))
     committed = int(os.environ["LIVE_TEST_COMMITTED"])
-    m = Membership.from_env(config)
+    try:
+        m = Membership.from_env(config)
+    except RunFinished as exc:
+        _say("run_finished", epoch=exc.epoch, step=exc.step, message=str(exc), pid=os.getpid())
+        return 0
     try:
         if m.joining:  # the run began before: only a fresh start names it here (no heals)
             m.await_admission()
@@ -51,6 +63,8 @@ def main() -> int:
                 change = dataclasses.asdict(m.last_change) if m.last_change else None
                 _say("epoch", epoch=record.epoch, members=list(record.members), change=change)
             time.sleep(config.poll_slice_s)
+        if _finish:
+            _say("finished", epoch=m.epoch, all_done=m.finish(committed))
     except Evicted as exc:
         _say("evicted", epoch=exc.epoch, reason=exc.reason)
         return 76

@@ -344,6 +344,43 @@ def test_below_min_replicas_the_restarted_job_starts_afresh_without_the_old_rank
     assert record.incarnations == {f"{r}/0": ready[r]["inc"] for r in (0, 1)}
 
 
+@pytest.mark.timeout(240)
+def test_members_that_finish_end_the_run_and_a_late_restart_exits_at_once(live_job) -> None:
+    # Members closing at the end of training were taken for lost replicas: the run ended with
+    # an empty "below min_replicas" epoch and a replica restarted after that waited out
+    # join_timeout_s as a joiner nobody could heal.
+    job = live_job(2)
+    job.kill((0, 0), (1, 0), sig=signal.SIGUSR1)  # both reach the end of training
+    assert [job.exit_code(r, 0) for r in (0, 1)] == [0, 0]
+    assert [job.events(r, 0, "finished")[0]["all_done"] for r in (0, 1)] == [True, True]
+    job.wait_for(lambda: job.store().check([Keys(_RUN).epoch_record(1)]), "epoch 1")
+    record = job.record(1)
+    assert (record.reason, record.members, record.resume_step) == ("finished", (), 107), record
+    assert not job.store().check([Keys(_RUN).epoch_record(2)])
+    t0 = time.monotonic()
+    job._start_worker(0, 0)  # a restart after the end: told so, not left waiting to join
+    assert job.exit_code(0, 0) == 0
+    (told,) = job.events(0, 0, "run_finished")
+    assert (told["epoch"], told["step"]) == (1, 107)
+    assert "the run finished at step 107" in told["message"]
+    print(f"late restart exited after {time.monotonic() - t0:.2f} s")
+
+
+@pytest.mark.timeout(240)
+def test_a_survivor_that_finishes_after_a_loss_ends_the_run(live_job) -> None:
+    job = live_job(2)
+    job.kill((1, 0))
+    assert job.adopted(0, 0, 1)["members"] == [0]
+    job.kill((0, 0), sig=signal.SIGUSR1)
+    assert job.exit_code(0, 0) == 0
+    job.wait_for(lambda: job.store().check([Keys(_RUN).epoch_record(2)]), "epoch 2")
+    record = job.record(2)
+    assert (record.reason, record.members, record.resume_step) == ("finished", (), 100), record
+    job._start_worker(1, 0)  # replica 1's torchrun restarts it after the end
+    assert job.exit_code(1, 0) == 0
+    assert job.events(1, 0, "run_finished")[0]["step"] == 100
+
+
 @pytest.mark.timeout(180)
 def test_the_store_handed_out_is_bounded_against_a_stopped_coordinator(tmp_path: Path) -> None:
     # Membership.store() is what the heal's transfers and the cross-replica group's Gloo

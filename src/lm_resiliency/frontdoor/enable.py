@@ -24,7 +24,11 @@ from lm_resiliency.frontdoor.live import (
     check_live,
     live_gemini_config,
 )
-from lm_resiliency.frontdoor.live_exit import exit_on_membership_loss, leave_process
+from lm_resiliency.frontdoor.live_exit import (
+    exit_on_membership_loss,
+    finished_process,
+    leave_process,
+)
 from lm_resiliency.frontdoor.objects import StateObjects
 from lm_resiliency.frontdoor.resiliency_config import ResiliencyConfig
 from lm_resiliency.frontdoor.resume import RecoveryInfo, resume, resume_from_framework
@@ -35,7 +39,7 @@ from lm_resiliency.frontdoor.validate import check_mtgs, check_scout, gemini_con
 from lm_resiliency.integrations.base import Adapter, Unbind
 from lm_resiliency.integrations.registry import adapter_for
 from lm_resiliency.live.config import LiveConfig
-from lm_resiliency.live.view import CoordinatorLost, Evicted
+from lm_resiliency.live.view import CoordinatorLost, Evicted, RunFinished
 from lm_resiliency.rng import restore_rng as restore_now
 from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
@@ -279,10 +283,13 @@ def enable_adapter(
 
 
 def _leave_if_membership_lost(session: LiveSession) -> None:
-    """Inside an ``except``: an ``Evicted``/``CoordinatorLost`` exits the process (76/75)."""
+    """Inside an ``except``: an ``Evicted``/``CoordinatorLost`` exits the process (76/75), a
+    ``RunFinished`` (restarted after every member finished) exits 0."""
     exc = sys.exc_info()[1]
     if isinstance(exc, (Evicted, CoordinatorLost)):
         leave_process(exc, replica=session.replica, cleanup=None, cleanup_timeout_s=0)
+    if isinstance(exc, RunFinished):
+        finished_process(exc, replica=session.replica)
 
 
 def _env_replica() -> int:

@@ -577,14 +577,8 @@ class LiveSession:
         """
         if self._leaving or self.membership.joining:
             return
-        m = self.membership
-        key = f"{m.keys.root}done/{m.epoch}/"
         try:
-            self._ask(lambda s: s.set(f"{key}{self.replica}/{m.group_rank}", str(self.step - 1)))
-            wanted = [f"{key}{r}/{m.group_rank}" for r in m.members]
-            deadline = time.monotonic() + self.config.reform_timeout_s
-            while not self._ask(lambda s: s.check(wanted)) and time.monotonic() < deadline:
-                time.sleep(self.config.poll_slice_s)
+            self.membership.finish(self.step - 1)
         except CoordinatorLost:
             log.warning("live membership: coordinator lost while finishing; leaving anyway")
 

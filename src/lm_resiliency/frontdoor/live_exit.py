@@ -6,6 +6,8 @@ reaching the training loop, which has no exception handling.
 * :class:`~lm_resiliency.live.view.Evicted` (a newer epoch does not admit this incarnation,
   e.g. it was SIGSTOPped past its lease and woke up): one line on stderr, exit code
   :data:`EXIT_EVICTED` (76). Its torchrun restarts it; the new process registers as a joiner.
+* :class:`~lm_resiliency.live.view.RunFinished` (a replica restarted after every member
+  finished): one line on stderr, exit code 0.
 * :class:`~lm_resiliency.live.view.CoordinatorLost` (the coordinator is silent, unreachable or
   gone, or fewer than ``min_replicas`` survived): the one line of §2.5, exit code
   :data:`EXIT_COORDINATOR_LOST` (75). Every group's torchrun restarts its workers, which
@@ -28,12 +30,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
-from lm_resiliency.live.view import CoordinatorLost, Evicted
+from lm_resiliency.live.view import CoordinatorLost, Evicted, RunFinished
 
 __all__ = [
     "EXIT_COORDINATOR_LOST",
     "EXIT_EVICTED",
     "exit_on_membership_loss",
+    "finished_process",
     "leave_process",
 ]
 
@@ -88,6 +91,22 @@ def exit_on_membership_loss(
         yield
     except (Evicted, CoordinatorLost) as exc:
         leave_process(exc, replica=replica, cleanup=cleanup, cleanup_timeout_s=cleanup_timeout_s)
+    except RunFinished as exc:
+        finished_process(exc, replica=replica)
+
+
+def finished_process(exc: RunFinished, *, replica: int) -> NoReturn:
+    """A replica restarted after every member finished: one line on stderr, exit 0.
+
+    Its torchrun then ends with success, like the groups that trained to the end; the
+    process holds nothing to keep (it never trained in this run).
+    """
+    sys.stderr.write(
+        f"live membership: replica {replica} (pid {os.getpid()}): {exc}; exiting with code 0\n"
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit_late(replica: int, timeout_s: float, code: int) -> None:

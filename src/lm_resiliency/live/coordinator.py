@@ -19,7 +19,11 @@ once), then:
    admission is scheduled once all N ranks of a replica joined and no change is under way
    (:meth:`Coordinator.schedule_admission`): ``epoch/<E+1>`` with the members unchanged,
    ``reason="admit"`` and ``heal={joiner, donor, step h}``;
-6. during an admission: once every member committed h (heartbeats) and every joiner rank
+6. a member rank whose socket closes (or lease expires) after it published
+   ``done/<E>/<r>/<g>`` finished, it was not lost: no change begins; once every member rank
+   finished, the ``"finished"`` epoch (no members, ``resume_step`` the last committed step)
+   is published and the loop only beats from then on (:meth:`Coordinator._finish`);
+7. during an admission: once every member committed h (heartbeats) and every joiner rank
    acked the heal with its digest, publishes ``epoch/<E+2>`` with the joiner among the
    members (``reason="admitted"``). A joiner that dies, goes silent for ``lease_s`` or acks
    an error cancels it: ``epoch/<E+2>`` with the old members (``"admission cancelled"``),
@@ -122,6 +126,9 @@ class _Member:
     committed: int = 0
     dead: str = ""
     """Why this rank is known dead (empty while it lives)."""
+    finished: int | None = None
+    """The last committed step it published in ``done/`` before it closed (None: it did
+    not finish; a finished rank is gone, not lost)."""
 
 
 @dataclass
@@ -204,6 +211,8 @@ class Coordinator:
         if self.epoch < 0:
             if len(self._registered) == self.replicas * self.nproc:
                 self._start()
+        elif self.finished:
+            pass  # the run is over: nothing to decide; restarted workers read the record
         elif not self.members:
             self._restart()
         else:
@@ -241,8 +250,7 @@ class Coordinator:
             return
         member = self._ranks.get(rank)
         if member is not None and member.inc == event.inc and not member.dead:
-            member.dead = f"r{rank[0]}g{rank[1]} liveness EOF (pid {event.pid})"
-            self._begin(member.dead)
+            self._gone(rank, member, f"r{rank[0]}g{rank[1]} liveness EOF (pid {event.pid})")
         joiner = self.joiners.get(event.replica)
         joined = joiner.ranks.get(event.group_rank) if joiner is not None else None
         if joined is not None and joined.inc == event.inc:
@@ -325,10 +333,55 @@ class Coordinator:
             member = self._ranks[rank]
             silent = now - member.seen
             if silent > self.config.lease_s:
-                member.dead = (
-                    f"r{rank[0]}g{rank[1]} lease expired (no heartbeat for {silent:.2f} s)"
-                )
-                self._begin(member.dead)
+                why = f"r{rank[0]}g{rank[1]} lease expired (no heartbeat for {silent:.2f} s)"
+                self._gone(rank, member, why)
+
+    def _gone(self, rank: Rank, member: _Member, why: str) -> None:
+        """A member rank's socket closed or its lease expired: finished when it published
+        ``done/`` first (no change; the run is over once every member finished), else lost
+        (a change begins)."""
+        done = [self.keys.done(e, *rank) for e in reversed(self._live_epochs())]
+        found = next((k for k in done if self.store.check([k])), None)
+        if found is None:
+            member.dead = why
+            self._begin(why)
+            return
+        raw = self.store.get(found)
+        try:
+            member.finished = int(raw)
+        except ValueError:
+            self._ignore(found, f"not a step number: {raw[:40]!r}")
+            member.dead = why
+            self._begin(why)
+            return
+        member.dead = f"r{rank[0]}g{rank[1]} finished at step {member.finished}"
+        _log.info("%s", member.dead)
+        if self._pending is None and all(m.finished is not None for m in self._ranks.values()):
+            self._finish()
+
+    def _finish(self) -> None:
+        """Every member rank finished: publish the ``"finished"`` epoch (no members). The
+        coordinator then only beats; a replica restarted later is told the run is over."""
+        last = max(m.finished or 0 for m in self._ranks.values())
+        t = time.time()
+        self._publish(
+            EpochRecord(
+                epoch=self.epoch + 1,
+                members=(),
+                reason="finished",
+                cause=f"every member finished; the last committed step is {last}",
+                resume_step=last,
+                t_detect=t,
+                t_publish=t,
+            )
+        )
+        self.admission = None
+        self.joiners.clear()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run is over (the ``"finished"`` epoch is published)."""
+        return bool(self.history) and self.history[-1].reason == "finished"
 
     def _live_epochs(self) -> range:
         """The epochs whose ``fail/`` and ``ack/`` keys count now (two during an admission)."""
@@ -408,6 +461,13 @@ class Coordinator:
         survivors = tuple(
             r for r in self.members if all((r, g) in pending.acks for g in range(self.nproc))
         )
+        if not survivors and any(m.finished is not None for m in self._ranks.values()):
+            # A member finished (it committed the last step) while another was lost: the
+            # run is over, not below min_replicas.
+            self._pending = None
+            self._end_admission()
+            self._finish()
+            return
         resume = max(
             (pending.acks[(r, g)].committed for r in survivors for g in range(self.nproc)),
             default=0,

@@ -87,6 +87,10 @@ class Keys:
     def ack(self, epoch: int, replica: int, group_rank: int) -> str:
         return f"{self.root}ack/{epoch}/{replica}/{group_rank}"
 
+    def done(self, epoch: int, replica: int, group_rank: int) -> str:
+        """A member finished training in ``epoch``; its value is the last committed step."""
+        return f"{self.root}done/{epoch}/{replica}/{group_rank}"
+
     def join(self, replica: int, group_rank: int) -> str:
         return f"{self.root}join/{replica}/{group_rank}"
 
@@ -110,11 +114,13 @@ class CoordRecord:
 class EpochRecord:
     epoch: int
     members: tuple[int, ...]
-    """Replica ids, sorted. Empty: below ``min_replicas``, every worker falls back."""
+    """Replica ids, sorted. Empty: below ``min_replicas`` (every worker falls back) or the
+    run finished."""
     reason: str
     """``"start"``, ``"lost"``, ``"leave"``, ``"admit"`` (a heal is scheduled, members
     unchanged), ``"admitted"`` (the healed joiner is a member), ``"admission cancelled"``,
-    ``"below min_replicas"``."""
+    ``"below min_replicas"``, ``"finished"`` (every member published ``done/``; no
+    members, ``resume_step`` is the last committed step)."""
     cause: str = ""
     resume_step: int = 0
     """The newest step every member holds committed; the new membership computes

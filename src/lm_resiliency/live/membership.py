@@ -53,7 +53,7 @@ from lm_resiliency.live.keys import (
 )
 from lm_resiliency.live.lease import Lease, StoreErrors, brief, failure_cause
 from lm_resiliency.live.liveness import LivenessClient
-from lm_resiliency.live.view import BelowMinReplicas, CoordinatorLost, Evicted
+from lm_resiliency.live.view import BelowMinReplicas, CoordinatorLost, Evicted, RunFinished
 
 __all__ = ["Change", "Membership"]
 
@@ -371,6 +371,7 @@ class Membership:
                 seen = current
                 key = keys.epoch_record(current)
                 record = decode(EpochRecord, self._get(key), key=key)
+                _raise_if_finished(record)
                 if record.heals(self._replica, self._group_rank, self.incarnation):
                     self._epoch, self._members = record.epoch, record.members
                     self._running_lease().set_epoch(record.epoch, joining=True)
@@ -427,6 +428,7 @@ class Membership:
             time.sleep(self.config.poll_slice_s)
             self._raise_pending(evicted=False)
         record = decode(EpochRecord, self._ask(lambda s: s.get(key)), key=key)
+        _raise_if_finished(record)
         if self.joining:
             if not record.admits(self._replica, self._group_rank, self.incarnation):
                 self._epoch, self._members = record.epoch, record.members
@@ -435,6 +437,31 @@ class Membership:
             self.joining = False
         self._adopt(record)
         return record
+
+    def finish(self, step: int, *, timeout_s: float | None = None) -> bool:
+        """A member at the end of training: publish ``done/<E>/<r>/<g>`` = ``step`` (its last
+        committed step) and wait, at most ``timeout_s`` (``reform_timeout_s``), until every
+        member's rank of the same group rank published it too. Call on every member rank,
+        then :meth:`close`. True when all did within the bound.
+
+        A member that left while another still waited for the last step's confirmation
+        would be a lost replica to it: that one would redo the step alone. The coordinator
+        reads these keys too: a member that closes after publishing ``done/`` finished, it
+        was not lost, and once every member finished it publishes a ``"finished"`` epoch
+        (a replica restarted after that gets :class:`RunFinished`).
+        """
+        self._raise_pending(evicted=False)
+        epoch, g = self._epoch, self._group_rank
+        mine = self._keys.done(epoch, self._replica, g)
+        self._ask(lambda s: s.set(mine, str(step)))
+        wanted = [self._keys.done(epoch, r, g) for r in self._members]
+        bound_s = self.config.reform_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + bound_s
+        while not self._ask(lambda s: s.check(wanted)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(self.config.poll_slice_s)
+        return True
 
     def close(self) -> None:
         """Stop the heartbeat thread and close the liveness socket (idempotent)."""
@@ -509,6 +536,7 @@ class Membership:
         current = int(self._ask(lambda s: s.get(keys.epoch)))
         key = keys.epoch_record(current)
         record = decode(EpochRecord, self._get(key), key=key)
+        _raise_if_finished(record)
         self._epoch, self._members = record.epoch, record.members
         self.register_join()
 
@@ -521,6 +549,7 @@ class Membership:
         time.sleep(self.config.poll_slice_s)
 
     def _adopt(self, record: EpochRecord) -> None:
+        _raise_if_finished(record)
         if not record.members:
             raise BelowMinReplicas(
                 f"membership epoch {record.epoch} has no members ({record.cause}); falling "
@@ -570,6 +599,11 @@ class Membership:
                 f"live membership: coordinator {self._address} unreachable ({brief(exc)}); falling "
                 "back to whole-job restart with memory recovery"
             ) from exc
+
+
+def _raise_if_finished(record: EpochRecord) -> None:
+    if record.reason == "finished":
+        raise RunFinished(record.epoch, record.resume_step, record.cause)
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int:

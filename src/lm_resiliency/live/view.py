@@ -14,7 +14,14 @@ import torch.distributed as dist
 from lm_resiliency.live.keys import Ack, EpochRecord, Keys
 from lm_resiliency.transactions.reducer import MembershipLoss
 
-__all__ = ["BelowMinReplicas", "CoordinatorLost", "EpochFailed", "Evicted", "MembershipView"]
+__all__ = [
+    "BelowMinReplicas",
+    "CoordinatorLost",
+    "EpochFailed",
+    "Evicted",
+    "MembershipView",
+    "RunFinished",
+]
 
 
 class EpochFailed(MembershipLoss):
@@ -50,6 +57,19 @@ class Evicted(RuntimeError):
 
 class CoordinatorLost(RuntimeError):
     """The coordinator is silent or unreachable; the job falls back to a whole-job restart."""
+
+
+class RunFinished(RuntimeError):
+    """Every member finished training before this process could join (a replica restarted
+    after the end of the run): there is nothing left to train. The front door exits 0."""
+
+    def __init__(self, epoch: int, step: int, cause: str) -> None:
+        super().__init__(
+            f"the run finished at step {step} (membership epoch {epoch}: {cause}) before this "
+            "process joined; nothing is left to train"
+        )
+        self.epoch = epoch
+        self.step = step
 
 
 class MembershipView(Protocol):
