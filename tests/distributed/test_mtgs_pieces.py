@@ -31,10 +31,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.faults import FaultInjector
-from lm_resiliency.models import GPTConfig, TinyGPT
+from lm_resiliency.models import GPTConfig, TinyGPT, synthetic_batches
 from lm_resiliency.testing import run_distributed
 from lm_resiliency.transactions import MTGS, MTGSConfig
-from lm_resiliency.transactions.memory_health import process_rss_bytes
+from lm_resiliency.transactions.memory_health import headroom, process_rss_bytes
 from lm_resiliency.transactions.sampler import ShardedSampler
 from lm_resiliency.transactions.tracer import PHASES, Tracer, merge_traces
 
@@ -267,3 +267,53 @@ def test_hookless_mode_registers_no_hook_and_retries_a_backward_fault_bit_identi
         assert bad_calls == [ref_calls[0], 2 * buckets, buckets]
         if rank == 1:
             assert 0 < h["fallback"] < buckets  # it had launched some buckets itself
+
+
+def _cuda_low_memory(rank: int, world: int) -> dict[str, Any]:
+    """Two ranks on one GPU (Gloo): rank 1 holds a device ballast in step 2's first attempt."""
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = TinyGPT(_CFG).to(device)
+    ddp = DDP(model, device_ids=[0], bucket_cap_mb=0.02)  # both ranks' CUDA contexts exist now
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = synthetic_batches(1, 4, 16, _CFG.vocab_size, rank=rank, world_size=world)
+    free, total = torch.cuda.mem_get_info(device)
+    # below the threshold only with the ballast (a quarter of the free memory, held by the
+    # allocator); the margin of an eighth absorbs this small model's own allocations
+    threshold = (free - free // 8) / total
+    txn = MTGS(ddp, opt, config=MTGSConfig(min_memory_headroom=threshold if rank == 1 else 0.0))
+    ballast: list[torch.Tensor] = []
+    calls = {"n": 0}
+
+    def closure() -> torch.Tensor:
+        calls["n"] += 1
+        if ballast:  # the retry: give the ballast back to the driver, as a user would
+            ballast.clear()
+            torch.cuda.empty_cache()
+        if rank == 1 and calls["n"] == 2:  # step 2, attempt 0
+            ballast.append(torch.empty(free // 4, dtype=torch.uint8, device=device))
+        x, y = next(data)
+        loss: torch.Tensor = ddp(x.to(device), y.to(device))
+        return loss
+
+    results = [txn.step(closure) for _ in range(3)]
+    room = headroom(device)
+    return {
+        "results": [
+            (r.step, r.attempts, [(a.phase, a.reasons) for a in r.aborts]) for r in results
+        ],
+        "where": None if room is None else room.where,
+    }
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_low_device_headroom_votes_abort_with_its_own_reason() -> None:
+    # run by scripts/gpu_check.sh (its -k cuda pass); skipped on CPU machines
+    out = run_distributed(_cuda_low_memory, 2, timeout_s=240)
+    for rank in range(2):
+        assert out[rank]["where"] == "cuda:0"
+        assert out[rank]["results"] == [
+            (1, 1, []),
+            (2, 2, [("vote", {1: ("low_memory",)})]),
+            (3, 1, []),
+        ]
