@@ -8,8 +8,9 @@ part of what it reported:
   headroom (its real RSS against a configured limit it crosses while holding a
   400 MiB ballast) is below ``min_memory_headroom``, step 3 rolled back after an
   injected ``optimizer.step()`` exception, step 4 under ``torch.profiler``;
-* the sampler's validation errors (a duplicated rank, other dataset lengths,
-  another seed, another ``num_replicas``), on every rank alike;
+* the sampler's validation errors (a duplicated rank, other dataset lengths, with
+  other or with equal shard lengths, another seed, another ``num_replicas``), on
+  every rank alike;
 * ``vote_in_hook=False``: MTGS registers no comm hook, so the user's own hook can be
   registered and runs; an exception in the middle of the synchronised backward pass
   is retried bit-identically, with and without gradient accumulation (the failed
@@ -94,6 +95,8 @@ def _sampler_errors(rank: int) -> dict[str, str]:
         "same rank": {"dataset": 10, "rank": 0, "num_replicas": 2},
         "other length": {"dataset": 10 if rank == 0 else 12},
         "other seed": {"dataset": 10, "seed": rank},
+        # shards of 5 on both ranks, disjoint and in order: only the dataset length differs
+        "other length, same shards": {"dataset": 10 if rank == 0 else 11, "shuffle": False},
         "other world": {"dataset": 12, "num_replicas": 2 if rank == 0 else 3, "rank": rank},
     }
     out = {}
@@ -243,6 +246,10 @@ def test_the_sampler_refuses_shards_that_do_not_partition_the_dataset(
         "{0: 10, 1: 12})"
     )
     assert "is in the shards of ranks 0 and 1" in errors["other seed"]
+    assert errors["other length, same shards"] == (
+        "ShardedSampler: dataset lengths differ across ranks {0: 10, 1: 11}; every rank must "
+        "see the same dataset (the same len(dataset)), so that the shards partition it"
+    )
     assert errors["other world"].startswith(
         "ShardedSampler: num_replicas per rank {0: 2, 1: 3} but the process group has 2 ranks; "
         "use num_replicas=2"
