@@ -19,12 +19,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The framework adapters' extras (DeepSpeed, Megatron Core, TorchTitan, Hugging Face) into .venv,
-# held to the installed torch by a constraint: an install never replaces torch==2.13.0.
+# The optional extras into .venv: the framework adapters (DeepSpeed, Megatron Core, TorchTitan,
+# Hugging Face), NIXL (its UCX backend runs the one-sided transfer tests on CPU too) and matplotlib
+# (`lm-resiliency bench --plot`), held to the installed torch by a constraint: an install never
+# replaces torch==2.13.0.
 EXTRAS_STAMP := $(VENV)/.extras
 $(EXTRAS_STAMP): $(STAMP) pyproject.toml
 	echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
-	$(BIN)/pip install -q -c $(VENV)/torch-constraint.txt -e ".[dev,deepspeed,megatron,torchtitan,hf]"
+	$(BIN)/pip install -q -c $(VENV)/torch-constraint.txt -e ".[dev,deepspeed,megatron,torchtitan,hf,nixl,plot]"
 	touch $(EXTRAS_STAMP)
 
 extras: $(EXTRAS_STAMP)

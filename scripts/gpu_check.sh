@@ -31,7 +31,8 @@ python3 scripts/gpu_live_check.py 2>&1 | tee -a "${OUT:-/tmp}/gpu_check.log"
 rc=$(( rc || PIPESTATUS[0] ))
 # The test suite's CUDA-only tests (skipped on CPU machines).
 python3 -m pytest -q -p no:cacheprovider -k "cuda" \
-  tests/unit/test_mtgs_shadow.py tests/unit/test_mtgs_pieces_local.py tests/distributed/test_mtgs_transactions.py 2>&1 \
+  tests/unit/test_mtgs_shadow.py tests/unit/test_mtgs_pieces_local.py tests/distributed/test_mtgs_transactions.py \
+  tests/distributed/test_mtgs_pieces.py 2>&1 \
   | tee -a "${OUT:-/tmp}/gpu_check.log"
 rc=$(( rc || PIPESTATUS[0] ))
 # Optional: the recovery benchmark on the device host's many idle cores, where the

@@ -76,6 +76,19 @@ def test_readme_quickstart_names_the_make_targets_that_exist() -> None:
     assert "make test" in ci
 
 
+def test_make_extras_installs_every_optional_extra_and_ci_runs_it() -> None:
+    # an extra CI does not install is code CI never runs: its tests are skipped there
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    section = pyproject.split("[project.optional-dependencies]\n", 1)[1].split("\n[", 1)[0]
+    extras = set(re.findall(r"^([\w-]+) = \[", section, re.M))
+    assert {"dev", "hf", "nixl", "plot"} <= extras, extras
+    makefile = (ROOT / "Makefile").read_text()
+    (installed,) = re.findall(r"^\t.*pip install .*-e \"\.\[([\w,-]+)\]\"", makefile, re.M)[1:]
+    assert set(installed.split(",")) == extras
+    assert "make extras\nmake test" in (ROOT / ".ci" / "run").read_text()
+    assert "`make extras`" in (ROOT / "README.md").read_text()
+
+
 def test_readme_python_examples_compile() -> None:
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)

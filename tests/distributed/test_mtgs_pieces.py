@@ -8,8 +8,9 @@ part of what it reported:
   headroom (its real RSS against a configured limit it crosses while holding a
   400 MiB ballast) is below ``min_memory_headroom``, step 3 rolled back after an
   injected ``optimizer.step()`` exception, step 4 under ``torch.profiler``;
-* the sampler's validation errors (a duplicated rank, other dataset lengths,
-  another seed, another ``num_replicas``), on every rank alike;
+* the sampler's validation errors (a duplicated rank, other dataset lengths, with
+  other or with equal shard lengths, another seed, another ``num_replicas``), on
+  every rank alike;
 * ``vote_in_hook=False``: MTGS registers no comm hook, so the user's own hook can be
   registered and runs; an exception in the middle of the synchronised backward pass
   is retried bit-identically, with and without gradient accumulation (the failed
@@ -31,10 +32,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.faults import FaultInjector
-from lm_resiliency.models import GPTConfig, TinyGPT
+from lm_resiliency.models import GPTConfig, TinyGPT, synthetic_batches
 from lm_resiliency.testing import run_distributed
 from lm_resiliency.transactions import MTGS, MTGSConfig
-from lm_resiliency.transactions.memory_health import process_rss_bytes
+from lm_resiliency.transactions.memory_health import headroom, process_rss_bytes
 from lm_resiliency.transactions.sampler import ShardedSampler
 from lm_resiliency.transactions.tracer import PHASES, Tracer, merge_traces
 
@@ -94,6 +95,8 @@ def _sampler_errors(rank: int) -> dict[str, str]:
         "same rank": {"dataset": 10, "rank": 0, "num_replicas": 2},
         "other length": {"dataset": 10 if rank == 0 else 12},
         "other seed": {"dataset": 10, "seed": rank},
+        # shards of 5 on both ranks, disjoint and in order: only the dataset length differs
+        "other length, same shards": {"dataset": 10 if rank == 0 else 11, "shuffle": False},
         "other world": {"dataset": 12, "num_replicas": 2 if rank == 0 else 3, "rank": rank},
     }
     out = {}
@@ -243,6 +246,10 @@ def test_the_sampler_refuses_shards_that_do_not_partition_the_dataset(
         "{0: 10, 1: 12})"
     )
     assert "is in the shards of ranks 0 and 1" in errors["other seed"]
+    assert errors["other length, same shards"] == (
+        "ShardedSampler: dataset lengths differ across ranks {0: 10, 1: 11}; every rank must "
+        "see the same dataset (the same len(dataset)), so that the shards partition it"
+    )
     assert errors["other world"].startswith(
         "ShardedSampler: num_replicas per rank {0: 2, 1: 3} but the process group has 2 ranks; "
         "use num_replicas=2"
@@ -267,3 +274,53 @@ def test_hookless_mode_registers_no_hook_and_retries_a_backward_fault_bit_identi
         assert bad_calls == [ref_calls[0], 2 * buckets, buckets]
         if rank == 1:
             assert 0 < h["fallback"] < buckets  # it had launched some buckets itself
+
+
+def _cuda_low_memory(rank: int, world: int) -> dict[str, Any]:
+    """Two ranks on one GPU (Gloo): rank 1 holds a device ballast in step 2's first attempt."""
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = TinyGPT(_CFG).to(device)
+    ddp = DDP(model, device_ids=[0], bucket_cap_mb=0.02)  # both ranks' CUDA contexts exist now
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = synthetic_batches(1, 4, 16, _CFG.vocab_size, rank=rank, world_size=world)
+    free, total = torch.cuda.mem_get_info(device)
+    # below the threshold only with the ballast (a quarter of the free memory, held by the
+    # allocator); the margin of an eighth absorbs this small model's own allocations
+    threshold = (free - free // 8) / total
+    txn = MTGS(ddp, opt, config=MTGSConfig(min_memory_headroom=threshold if rank == 1 else 0.0))
+    ballast: list[torch.Tensor] = []
+    calls = {"n": 0}
+
+    def closure() -> torch.Tensor:
+        calls["n"] += 1
+        if ballast:  # the retry: give the ballast back to the driver, as a user would
+            ballast.clear()
+            torch.cuda.empty_cache()
+        if rank == 1 and calls["n"] == 2:  # step 2, attempt 0
+            ballast.append(torch.empty(free // 4, dtype=torch.uint8, device=device))
+        x, y = next(data)
+        loss: torch.Tensor = ddp(x.to(device), y.to(device))
+        return loss
+
+    results = [txn.step(closure) for _ in range(3)]
+    room = headroom(device)
+    return {
+        "results": [
+            (r.step, r.attempts, [(a.phase, a.reasons) for a in r.aborts]) for r in results
+        ],
+        "where": None if room is None else room.where,
+    }
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_low_device_headroom_votes_abort_with_its_own_reason() -> None:
+    # run by scripts/gpu_check.sh (its -k cuda pass); skipped on CPU machines
+    out = run_distributed(_cuda_low_memory, 2, timeout_s=240)
+    for rank in range(2):
+        assert out[rank]["where"] == "cuda:0"
+        assert out[rank]["results"] == [
+            (1, 1, []),
+            (2, 2, [("vote", {1: ("low_memory",)})]),
+            (3, 1, []),
+        ]

@@ -62,7 +62,7 @@ _USE_TORCH = "use TorchTransfer (both endpoints take part) for this request"
 def _import_nixl() -> Any:
     try:
         # optional dependency: imported only when a NIXL transfer is asked for
-        from nixl._api import (  # type: ignore[import-not-found]  # noqa: PLC0415
+        from nixl._api import (  # noqa: PLC0415
             nixl_agent,
             nixl_agent_config,
         )

@@ -15,9 +15,10 @@ training.
 :meth:`validate` (collective, every rank of the group; run at construction when
 a process group exists, and by :meth:`set_epoch`) all-gathers every rank's shard
 and raises ``ConfigError`` on every rank alike, naming the ranks and the fix, when
-the shards are not the same length, overlap or leave out an index (the typical
-causes: a rank built with another ``rank``, ``num_replicas``, ``seed``, dataset
-length or ``shuffle``). It sends ``n`` int64 values per rank: for a dataset of
+the shards are not the same length, come from datasets of different lengths (also
+when their shards are disjoint and of one length), or overlap (the typical causes:
+a rank built with another ``rank``, ``num_replicas``, ``seed``, dataset length or
+``shuffle``). It sends ``n`` int64 values per rank: for a dataset of
 millions of samples, call it once per epoch, not per step.
 """
 
@@ -157,8 +158,11 @@ class ShardedSampler(Sampler[int]):
     def validate(self) -> None:
         """Check that the ranks' shards partition the dataset (collective, every rank).
 
-        Raises ``ConfigError`` on every rank (each computes the same verdict from
-        the same gathered shards) naming the offending ranks and the fix.
+        Checks one ``num_replicas``, one shard length, one dataset length and
+        disjoint shards: together these make the shards cover the dataset (every
+        index of ``range(n)`` but the ``n % world`` dropped ones). Raises
+        ``ConfigError`` on every rank (each computes the same verdict from the same
+        gathered shards) naming the offending ranks and the fix.
         """
         world = dist.get_world_size(self.group)
         # One header per rank first: every rank decides from the same numbers, and
@@ -173,11 +177,19 @@ class ShardedSampler(Sampler[int]):
                 f"{world} ranks; use num_replicas={world} (or leave it to the group)"
             )
         lengths = {r: h[3] for r, h in enumerate(header)}
+        datasets = {r: h[0] for r, h in enumerate(header)}
         if len(set(lengths.values())) > 1:
             raise ConfigError(
                 f"ShardedSampler: shard lengths differ across ranks {lengths} (dataset lengths "
-                f"{ {r: h[0] for r, h in enumerate(header)} }); every rank must see the same "
-                "dataset, so that every rank runs the same number of steps"
+                f"{datasets}); every rank must see the same dataset, so that every rank runs "
+                "the same number of steps"
+            )
+        if len(set(datasets.values())) > 1:
+            # equal shard lengths do not make one dataset (10 and 11 samples on 2 ranks both
+            # give shards of 5): disjoint shards of different splits cover no single dataset
+            raise ConfigError(
+                f"ShardedSampler: dataset lengths differ across ranks {datasets}; every rank "
+                "must see the same dataset (the same len(dataset)), so that the shards partition it"
             )
         shards = _gather_ints(self._indices, self.group)
         owner: dict[int, int] = {}
@@ -191,16 +203,6 @@ class ShardedSampler(Sampler[int]):
                         "shuffle="
                     )
                 owner[i] = r
-        n = max(h[0] for h in header)
-        expected = (n // world) * world
-        outside = sorted(i for i in owner if not 0 <= i < n)
-        if outside or len(owner) != expected:
-            raise ConfigError(
-                f"ShardedSampler: the shards cover {len(owner)} of the {expected} indices they "
-                f"should (dataset of {n}, {world} ranks)"
-                + (f", and {outside[:5]} lie outside it" if outside else "")
-                + "; every rank must use the same dataset length"
-            )
 
 
 def _gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
