@@ -366,6 +366,34 @@ def test_dynamic_certification_candidate_then_verified_and_sdc_rejects() -> None
     ]
 
 
+def test_a_durable_writer_hears_each_candidates_fate_once_and_only_for_steps_it_wrote() -> None:
+    events: list[tuple[str, int]] = []
+    c = Certifier(
+        _Sink(),
+        dynamic=True,
+        persist=True,
+        on_candidate=lambda s: events.append(("write", s)),
+        on_verified=lambda s: events.append(("verified", s)),
+        on_rejected=lambda s: events.append(("rejected", s)),
+    )
+    c.observe(10, corrupt=False, reason="", cycle_complete=True)
+    c.captured(10, frontier=-math.inf)  # the dense recipes do not cover 10 yet
+    c.observe(20, corrupt=False, reason="", cycle_complete=True, frontier=-math.inf)
+    c.captured(20, frontier=-math.inf)
+    assert events == [("write", 10), ("write", 20)]  # 10 waits for the dense coverage
+    c.observe(25, corrupt=False, reason="", cycle_complete=False, frontier=12)
+    assert events[2:] == [("verified", 10)]
+    c.observe(30, corrupt=True, reason="sdc", cycle_complete=False)
+    c.observe(35, corrupt=True, reason="sdc", cycle_complete=False)  # latched: told once
+    assert events[3:] == [("rejected", 20)]
+    c.recovered(10, verified=True)
+    c.observe(40, corrupt=False, reason="", cycle_complete=True)
+    c.captured(40)
+    c.recovered(30, verified=True)  # 40's timeline abandoned: it hears nothing
+    c.observe(50, corrupt=True, reason="sdc", cycle_complete=False)
+    assert events[4:] == [("write", 40)]
+
+
 # -- the decision table -------------------------------------------------------------------
 
 

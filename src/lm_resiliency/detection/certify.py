@@ -11,13 +11,15 @@ The rules of docs/scout.md ("Certification"), applied identically on every rank
 * dynamic catalogs: the capture after the first complete accepted cycle is the
   cycle ``CANDIDATE`` (persisted, and the caller's durable-candidate callback
   runs); after the next complete accepted cycle it becomes ``RECOVERY_VERIFIED``
-  (once the dense recipes also cover it) and the new capture the next candidate;
+  (once the dense recipes also cover it; ``on_verified`` runs for a durable one)
+  and the new capture the next candidate;
 * SDC or inconclusive anywhere: the capture is skipped, every candidate is
-  rejected, the previous verified generation is kept, and the verdict "recover in
-  verified mode" is persisted. SCOUT then stays *latched* (no further capture is
-  allowed or certified) until a verified recovery, because under DDP a rank that
-  computed wrongly has already poisoned every replica's update: a later clean
-  check would otherwise certify corrupted state.
+  rejected (``on_rejected`` runs for each durable one), the previous verified
+  generation is kept, and the verdict "recover in verified mode" is persisted.
+  SCOUT then stays *latched* (no further capture is allowed or certified) until
+  a verified recovery, because under DDP a rank that computed wrongly has
+  already poisoned every replica's update: a later clean check would otherwise
+  certify corrupted state.
 
 Every trust change goes through :class:`TrustSink` (the GEMINI manager's ``trust``), whose
 methods return at once and persist in the background.
@@ -55,6 +57,12 @@ class Certifier:
     ``frontier`` arguments come from :meth:`Coverage.frontier
     <lm_resiliency.detection.coverage.Coverage.frontier>`: the newest step every
     dense recipe was checked clean at or after.
+
+    ``on_candidate(step)`` writes the framework's durable candidate of a cycle's
+    ``CANDIDATE``; ``on_verified(step)`` / ``on_rejected(step)`` tell that writer the
+    fate of a step it wrote (never of another), on the training thread, every rank at
+    the same check. A durable candidate dropped by a recovery (its timeline abandoned)
+    hears neither and stays a candidate.
     """
 
     def __init__(
@@ -64,11 +72,17 @@ class Certifier:
         dynamic: bool,
         persist: bool,
         on_candidate: Callable[[int], None] | None = None,
+        on_verified: Callable[[int], None] | None = None,
+        on_rejected: Callable[[int], None] | None = None,
     ) -> None:
         self.sink = sink
         self.dynamic = dynamic
         self.persist = persist
         self.on_candidate = on_candidate
+        self.on_verified = on_verified
+        self.on_rejected = on_rejected
+        self._durable: set[int] = set()
+        """Steps given to ``on_candidate`` whose fate was not told yet."""
         self.candidate: int | None = None
         """The dynamic cycle's candidate (awaiting the next complete cycle)."""
         self.pending: list[int] = []
@@ -107,6 +121,7 @@ class Certifier:
         for step in ready:
             if self.sink is not None:
                 self.sink.certify(step, TrustStatus.RECOVERY_VERIFIED, persist=False)
+            self._tell(step, self.on_verified)
         self.verified = ready[-1]
         log.info("SCOUT: step(s) %s verified (every recipe checked clean since)", ready)
 
@@ -120,6 +135,7 @@ class Certifier:
             self.rejected.append((cand, reason))
             if self.sink is not None:
                 self.sink.reject(cand, reason=f"SCOUT at step {step}: {reason}")
+            self._tell(cand, self.on_rejected)
         if doomed:
             log.warning("SCOUT rejected candidate step(s) %s: %s", sorted(doomed), reason)
         self.candidate = None
@@ -158,7 +174,15 @@ class Certifier:
             sink.certify(step, TrustStatus.CANDIDATE, persist=self.persist)
         if self.on_candidate is not None:
             self.on_candidate(step)
+            self._durable.add(step)
         return TrustStatus.CANDIDATE
+
+    def _tell(self, step: int, hook: Callable[[int], None] | None) -> None:
+        """Tell the durable-candidate writer the fate of ``step`` (once; only steps it wrote)."""
+        if step in self._durable:
+            self._durable.discard(step)
+            if hook is not None:
+                hook(step)
 
     def recovered(self, step: int, *, verified: bool) -> None:
         """The state of ``step`` was restored (verified: unlatch; clear the verdict later).
@@ -175,7 +199,9 @@ class Certifier:
             self.candidate = None
             self.pending = []
             self._clear_verdict = True
-        elif self.latched is not None:
+        # A durable candidate no longer pending stays a candidate on disk: never loaded.
+        self._durable &= {*self.pending, *([] if self.candidate is None else [self.candidate])}
+        if not verified and self.latched is not None:
             log.warning(
                 "SCOUT stays latched (%s): the state restored was not verified", self.latched
             )

@@ -115,7 +115,9 @@ class Scout:
     peer). ``dynamic``: a dynamic catalog (MoE experts). ``interval``: GEMINI's
     capture interval, the default of every class.
     ``on_candidate(step)``: the framework's durable-candidate writer, called on
-    the training thread when a step becomes CANDIDATE (keep it asynchronous).
+    the training thread when a step becomes CANDIDATE (keep it asynchronous);
+    ``on_verified(step)`` / ``on_rejected(step)``: told when such a step becomes
+    RECOVERY_VERIFIED or is rejected (see :class:`~lm_resiliency.detection.certify.Certifier`).
     ``events``: the structured log for ``scout.check`` events.
 
     Raises ``ConfigError`` when torch.distributed is not initialized, when a
@@ -133,6 +135,8 @@ class Scout:
         dynamic: DynamicCatalog | None = None,
         interval: int | None = None,
         on_candidate: Callable[[int], None] | None = None,
+        on_verified: Callable[[int], None] | None = None,
+        on_rejected: Callable[[int], None] | None = None,
         events: EventLog | None = None,
     ) -> None:
         if not isinstance(config, ScoutConfig):
@@ -157,7 +161,12 @@ class Scout:
         }
         self.intervals["dynamic"] = config.class_interval("dynamic", default) if dyn_on else None
         self.certifier = Certifier(
-            manager, dynamic=dyn_on, persist=config.persist_certified, on_candidate=on_candidate
+            manager,
+            dynamic=dyn_on,
+            persist=config.persist_certified,
+            on_candidate=on_candidate,
+            on_verified=on_verified,
+            on_rejected=on_rejected,
         )
         if not config.enable:
             return

@@ -36,7 +36,7 @@ from lm_resiliency.frontdoor.schedulers import SchedulerReplay
 from lm_resiliency.frontdoor.transact import attach_faults, build_mtgs, check_faults
 from lm_resiliency.frontdoor.tree import CaptureTree
 from lm_resiliency.frontdoor.validate import check_mtgs, check_scout, gemini_config, split_config
-from lm_resiliency.integrations.base import Adapter, Unbind
+from lm_resiliency.integrations.base import Adapter, DurableCandidates, Unbind
 from lm_resiliency.integrations.registry import adapter_for
 from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.live.view import CoordinatorLost, Evicted, RunFinished
@@ -82,8 +82,11 @@ def enable_resiliency(
     (``ScoutConfig(catalog=...)``, e.g. MoE experts): on every rank, on the training
     thread, right after the capture of ``step``; keep it asynchronous, and keep it from
     becoming what ``load_fallback`` loads until it is verified (the handle's
-    ``manager.find_latest(RecoveryMode.RECOVERY_VERIFIED)``). Framework adapters that
-    own durable checkpoints (TorchTitan, DeepSpeed) bring their own.
+    ``manager.find_latest(RecoveryMode.RECOVERY_VERIFIED)``). A ``save_durable`` with
+    ``verified(step)`` and ``rejected(step)`` methods (the
+    :class:`~lm_resiliency.integrations.base.DurableCandidates` protocol) is also told
+    each candidate's fate, at the check that decides it. Framework adapters that own
+    durable checkpoints (TorchTitan, DeepSpeed) bring their own.
 
     ``interval`` overrides ``config.interval``. ``config`` may also be a
     :class:`ResiliencyConfig` holding all three tiers (``gemini``, ``mtgs``, ``scout``); a
@@ -204,7 +207,9 @@ def enable_adapter(
             # A restarted replica: healed by a member; its own (stale) memory is not recovered.
             healed = session.join(tree)
         if scout_config is not None:
-            candidate = save_durable if save_durable is not None else adapter.durable_candidate()
+            candidate = save_durable
+            if candidate is None and _has_candidates(scout_config):
+                candidate = adapter.durable_candidate()
             checker = _scout(scout_config, adapter, layout, manager, candidate)
         if healed is not None:
             recovery = RecoveryInfo(
@@ -312,6 +317,11 @@ def _also_removing(unbind: Unbind, injector: FaultInjector) -> Unbind:
     return both
 
 
+def _has_candidates(config: ScoutConfig) -> bool:
+    """Whether SCOUT makes durable candidates: a dynamic catalog, enabled (docs/scout.md)."""
+    return config.enable and config.catalog is not None and config.dynamic.enabled
+
+
 def _scout(
     config: ScoutConfig,
     adapter: Adapter,
@@ -319,7 +329,9 @@ def _scout(
     manager: InMemoryCheckpointManager,
     on_candidate: Callable[[int], None] | None,
 ) -> Scout:
-    """SCOUT over the adapter's model and comparison groups, certifying ``manager``'s captures."""
+    """SCOUT over the adapter's model and comparison groups, certifying ``manager``'s captures.
+
+    A :class:`DurableCandidates` writer also hears each durable candidate's fate."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     groups = ComparisonGroups.from_ranks(layout.comparison_groups, world_size=world)
     (model, *rest) = adapter.modules()
@@ -332,6 +344,8 @@ def _scout(
         groups=groups,
         interval=manager.config.interval,
         on_candidate=on_candidate,
+        on_verified=on_candidate.verified if isinstance(on_candidate, DurableCandidates) else None,
+        on_rejected=on_candidate.rejected if isinstance(on_candidate, DurableCandidates) else None,
     )
 
 

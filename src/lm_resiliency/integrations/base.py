@@ -56,6 +56,7 @@ __all__ = [
     "Adapter",
     "AdapterBase",
     "DurableCandidate",
+    "DurableCandidates",
     "DurableFallback",
     "ParallelLayout",
     "StepBoundary",
@@ -68,6 +69,27 @@ DurableFallback = Callable[[], "int | None"]
 DurableCandidate = Callable[[int], None]
 """Writes the framework's durable checkpoint of the live state as SCOUT's candidate of ``step``
 (``save_durable(step)``); runs on every rank at the same step."""
+
+
+@runtime_checkable
+class DurableCandidates(Protocol):
+    """A :data:`DurableCandidate` writer that also hears each candidate's fate.
+
+    Call order, every call on every rank, on the training thread, at the same step:
+    ``writer(step)`` when ``step`` becomes SCOUT's ``CANDIDATE``; later exactly one of
+    ``verified(step)`` (it became ``RECOVERY_VERIFIED``: it may now become what the
+    durable fallback loads) or ``rejected(step)`` (an SDC was found before it was
+    verified: the fallback must never load it), or neither (the job ended first, or a
+    recovery abandoned its timeline: it stays a candidate, never loaded). The writer
+    decides which rank touches shared files.
+    """
+
+    def __call__(self, step: int) -> None: ...
+
+    def verified(self, step: int) -> None: ...
+
+    def rejected(self, step: int) -> None: ...
+
 
 Unbind = Callable[[], None]
 """Undoes :meth:`Adapter.bind` (removes the hooks or callbacks it installed)."""
@@ -211,9 +233,18 @@ class Adapter(Protocol):
         """The framework's durable-candidate writer (SCOUT's dynamic catalogs), or ``None``.
 
         Called on every rank, on the training thread, at the capture boundary whose
-        step became SCOUT's ``CANDIDATE``, with the live state equal to that capture.
-        It must not move the framework's "latest" pointer: a candidate can still be
-        rejected, and the durable fallback must never load a rejected one.
+        step became SCOUT's ``CANDIDATE``, with the model and optimizer equal to that
+        capture. With SCOUT's pipelined verdict (the default) that is the pre-step hook
+        of the next step: what the next forward changed (the data position, counters
+        advanced before the optimizer step) is newer than the capture, so a writer
+        takes those from the capture it saw (TorchTitan's adapter does). It must not
+        move the framework's "latest" pointer: a candidate can still be rejected, and
+        the durable fallback must never load a rejected one. A
+        :class:`DurableCandidates` writer is also told when the candidate is verified
+        (then it may make it loadable) or rejected. Called once, on every rank, by
+        ``enable_adapter`` when SCOUT has an enabled dynamic catalog and no
+        ``save_durable`` was given (it may raise ``ConfigError`` for a configuration
+        it cannot write candidates for).
         """
         ...
 
