@@ -15,6 +15,8 @@ replica it holds for its peer, in memory and on the rank's own simulated node
 folder ``<disk>/node-<r>``), then ``--fault-rank`` deletes its node folder and its
 memory slots (its node's storage and memory are gone with it) and SIGKILLs
 itself. The restarted group must find the victim's state on its peer's node.
+With ``--fault-all`` every rank does so: no GEMINI step survives anywhere and the
+restarted group resumes from the framework's durable checkpoint.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=int, default=3)
     p.add_argument("--fault-step", type=int, default=0, help="0: no fault")
     p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument(
+        "--fault-all",
+        action="store_true",
+        help="every rank loses its node folder and memory and SIGKILLs itself: no GEMINI step",
+    )
     p.add_argument("--cuda", action="store_true", help="GPU path (scripts/gpu_frameworks.py)")
     return p
 
@@ -97,7 +104,7 @@ def maybe_kill(args: argparse.Namespace, step: int, rank: int, manager: Any) -> 
         return
     manager.wait_persisted()
     dist.barrier()
-    if rank != args.fault_rank:
+    if rank != args.fault_rank and not args.fault_all:
         return
     if dist.get_world_size() > 1:  # alone, the rank's own files are all there is
         # The rank's node is lost with its memory and its disk: its state can only

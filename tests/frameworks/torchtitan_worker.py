@@ -10,11 +10,20 @@ TorchTitan's DCP checkpointer saves every K steps into ``R/dump/checkpoint``.
 Test instrumentation only, as public optimizer hooks on the Trainer's
 ``OptimizersContainer``: the first step this process trains is recorded, and
 the fault of ``fw_worker.maybe_kill`` is injected after ``--fault-step``.
+
+``--candidate-events "3:write:2,5:verified:2,..."`` (first generation only): at the
+optimizer pre-hook of step S (after the adapter's own, where SCOUT's pipelined
+verdict resolves and calls the adapter's durable-candidate writer) call the writer
+(``write``), ``verified`` or ``rejected`` for step N, as SCOUT would. After each,
+rank 0 appends to ``candidates-rank-0.json``: the event, TorchTitan's own
+discovery (``checkpointer._find_load_step()``, what ``load()`` resumes from) and the
+complete DCP folders (``step-*`` and ``scout-candidate-*`` with ``.metadata``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -67,6 +76,7 @@ def main() -> int:
     p.add_argument("--dcp-interval", type=int, default=0, help="0: TorchTitan checkpointing off")
     p.add_argument("--dp-shard", type=int, default=2)
     p.add_argument("--dp-replicate", type=int, default=1)
+    p.add_argument("--candidate-events", default="", help="S:action:N,... (see the doc)")
     args = p.parse_args()
     os.environ.setdefault("HF_DATASETS_CACHE", str(args.run_dir / "hf-cache"))
     init_process_group("nccl" if args.cuda else "gloo")
@@ -83,6 +93,7 @@ def main() -> int:
         "sources": list(info.sources) if info.sources else None,
         "trainer_step": int(trainer.step),
         "dcp_steps": _dcp_steps(args.run_dir / "dump" / "checkpoint"),
+        "dcp_folders": _dcp_folders(args.run_dir / "dump" / "checkpoint"),
         "replica_ranks": handle.adapter.parallel_layout().replica_ranks,
         "inner": handle.adapter.fsdp.framework,
         "slots": sorted(handle.manager.slots()),
@@ -98,6 +109,8 @@ def main() -> int:
 
     trainer.optimizers.register_step_pre_hook(record_first)
     trainer.optimizers.register_step_post_hook(fault)
+    if args.candidate_events and fw_worker.attempt() == 0:
+        _candidate_events(args, trainer, handle.adapter.durable_candidate(), rank)
 
     trainer.train()
 
@@ -121,6 +134,33 @@ def _dcp_steps(folder: Path) -> list[int]:
     """The steps of TorchTitan's complete DCP checkpoints in ``folder``."""
     done = [p for p in folder.glob("step-*") if (p / ".metadata").is_file()]
     return sorted(int(p.name.split("-")[1]) for p in done)
+
+
+def _dcp_folders(folder: Path) -> list[str]:
+    """The complete DCP checkpoints in ``folder``: TorchTitan's and SCOUT's candidates."""
+    return sorted(p.name for p in folder.glob("*") if (p / ".metadata").is_file())
+
+
+def _candidate_events(args: argparse.Namespace, trainer: Any, writer: Any, rank: int) -> None:
+    """Drive the durable-candidate writer as SCOUT would (see the module doc)."""
+    events: dict[int, list[tuple[str, int]]] = {}
+    for item in args.candidate_events.split(","):
+        at, action, step = item.split(":")
+        events.setdefault(int(at), []).append((action, int(step)))
+    log: list[dict[str, Any]] = []
+    folder = args.run_dir / "dump" / "checkpoint"
+    calls = {"write": writer, "verified": writer.verified, "rejected": writer.rejected}
+
+    def pre(opt: Any, a: Any, k: Any) -> None:
+        for action, step in events.get(int(trainer.step), []):
+            calls[action](step)
+            if rank == 0:
+                found = trainer.checkpointer._find_load_step()
+                log.append({"at": int(trainer.step), "event": f"{action} {step}", "load": found})
+                log[-1]["folders"] = _dcp_folders(folder)
+                (args.run_dir / "candidates-rank-0.json").write_text(json.dumps(log))
+
+    trainer.optimizers.register_step_pre_hook(pre)
 
 
 def _loader_state(trainer: Any) -> Any:

@@ -34,7 +34,9 @@ checks that the schedulers did advance by exactly one and raises
 ``ConfigError`` otherwise (a loop that steps them differently).
 
 Recovery and ``train()``'s own checkpoint load: see :mod:`.resume`. The
-durable fallback is TorchTitan's checkpointer (``checkpointer.load``).
+durable fallback is TorchTitan's checkpointer (``checkpointer.load``); SCOUT's
+durable candidates are DCP checkpoints beside TorchTitan's own that its load
+finds only once they are verified (:mod:`.candidates`).
 
 Supported (``ConfigError`` otherwise): one model part (no pipeline
 parallelism), FSDP2 or HSDP data parallelism without tensor/context/expert
@@ -55,12 +57,14 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from lm_resiliency.errors import ConfigError
 from lm_resiliency.integrations.base import (
     AdapterBase,
+    DurableCandidate,
     DurableFallback,
     ParallelLayout,
     StepBoundary,
     Unbind,
 )
 from lm_resiliency.integrations.fsdp import FSDPAdapter
+from lm_resiliency.integrations.torchtitan.candidates import CapturedPosition, dcp_candidates
 from lm_resiliency.integrations.torchtitan.resume import SkipFirstLoad, load_durable
 
 __all__ = ["TorchTitanAdapter", "make_adapter"]
@@ -85,6 +89,7 @@ class TorchTitanAdapter(AdapterBase):
         self.dataloader = trainer.dataloader
         self._skip = SkipFirstLoad(trainer.checkpointer)
         self._epoch_after: int | None = None
+        self._position: CapturedPosition | None = None  # the newest capture's (candidates)
 
     # -- the boundary --------------------------------------------------------------
 
@@ -137,22 +142,29 @@ class TorchTitanAdapter(AdapterBase):
         return self._state(self.fsdp.capture_state())
 
     def _state(self, fsdp: dict[str, Any]) -> dict[str, Any]:
-        epoch = self._epoch_after if self._epoch_after is not None else self._epoch()
         return {
             "fsdp": fsdp,
-            "lr_schedulers": {"last_epoch": epoch},
+            "lr_schedulers": {"last_epoch": self._captured_epoch()},
             "train_state": {"step": int(self.trainer.step)},
         }
+
+    def _captured_epoch(self) -> int:
+        return self._epoch_after if self._epoch_after is not None else self._epoch()
 
     def rank_state_dict(self) -> dict[str, Any]:
         # A deep copy: the dataset's state holds its live token buffers, which the
         # next fetch extends in place.
         data = copy.deepcopy(StatefulDataLoader.state_dict(self.dataloader))
+        ntokens = int(self.trainer.ntokens_seen)
+        # Kept for a durable candidate of this step, written up to a step later.
+        self._position = CapturedPosition(
+            int(self.trainer.step), self._captured_epoch(), ntokens, data
+        )
         return {
             "fsdp": self.fsdp.rank_state_dict(),
             "dataloader": data,
             "data_parallel": self._data_parallel(),
-            "ntokens_seen": int(self.trainer.ntokens_seen),
+            "ntokens_seen": ntokens,
         }
 
     def _data_parallel(self) -> list[int]:
@@ -197,6 +209,13 @@ class TorchTitanAdapter(AdapterBase):
     def durable_fallback(self) -> DurableFallback | None:
         trainer = self.trainer
         return lambda: load_durable(trainer)
+
+    def durable_candidate(self) -> DurableCandidate | None:
+        """SCOUT's candidates as DCP checkpoints TorchTitan's load ignores until verified.
+
+        ``None`` when TorchTitan's checkpointing is off (see :mod:`.candidates`).
+        """
+        return dcp_candidates(self.trainer, lambda: self._position)
 
     def modules(self) -> Sequence[torch.nn.Module]:
         return [self.trainer.model_parts[0]]
