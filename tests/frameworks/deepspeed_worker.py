@@ -12,6 +12,14 @@ fetch; the loader is captured through ``state=`` and every rank writes the
 sample ids of each step to ``ids-attempt-<a>-rank-<r>.json``.
 ``--durable-every N`` also saves DeepSpeed's own checkpoint every N steps
 (``--durable-dir``), the fallback when GEMINI has no step on every rank.
+``--candidate-events "3:write:2,5:verified:2,..."`` enables through the adapter that
+owns ``--durable-dir`` (``adapter_for(engine, checkpoint_dir=...)``, ``enable_adapter``:
+its fallback and its durable candidates) and, in the first generation only, drives
+``adapter.durable_candidate()`` as SCOUT would: at the inner optimizer's
+first pre-hook of step S (after the adapter's own, where SCOUT's pipelined verdict
+resolves) it writes, verifies or rejects the candidate of step N; rank 0 then
+appends the event, the tag ``latest`` names and the tag folders to
+``candidates-rank-0.json``.
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ import fw_worker
 
 from lm_resiliency import enable_resiliency
 from lm_resiliency.distributed import init_process_group
+from lm_resiliency.frontdoor.enable import enable_adapter
 from lm_resiliency.integrations.deepspeed import durable_loader
+from lm_resiliency.integrations.registry import adapter_for
 
 
 class NoisyPoints(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
@@ -63,6 +73,37 @@ def data_loader(rank: int, world: int, steps: int) -> Any:
     return StatefulDataLoader(data, batch_size=4, sampler=sampler, generator=gen)
 
 
+def _tags(folder: Path | None) -> list[str]:
+    """The checkpoint tag folders in ``folder``."""
+    return (
+        []
+        if folder is None or not folder.is_dir()
+        else sorted(p.name for p in folder.iterdir() if p.is_dir())
+    )
+
+
+def _candidate_events(args: Any, engine: Any, adapter: Any, rank: int) -> None:
+    """Drive the adapter's durable-candidate writer as SCOUT would (see the module doc)."""
+    writer = adapter.durable_candidate()
+    calls = {"write": writer, "verified": writer.verified, "rejected": writer.rejected}
+    events: dict[int, list[tuple[str, int]]] = {}
+    for item in args.candidate_events.split(","):
+        at, action, step = item.split(":")
+        events.setdefault(int(at), []).append((action, int(step)))
+    log: list[dict[str, Any]] = []
+
+    def pre(opt: Any, a: Any, k: Any) -> None:
+        at = int(engine.global_steps) + 1  # the step being taken
+        for action, step in events.pop(at, []):  # once per step: the first inner call
+            calls[action](step)
+            if rank == 0:
+                log.append({"at": at, "event": f"{action} {step}", "latest": writer.latest()})
+                log[-1]["tags"] = _tags(args.durable_dir)
+                (args.run_dir / "candidates-rank-0.json").write_text(json.dumps(log))
+
+    adapter.view.inner.register_step_pre_hook(pre)
+
+
 def main() -> int:
     p = fw_worker.parser()
     p.add_argument("--stage", type=int, required=True)
@@ -70,6 +111,7 @@ def main() -> int:
     p.add_argument("--durable-dir", type=Path, default=None)
     p.add_argument("--durable-every", type=int, default=0)
     p.add_argument("--loader", action="store_true", help="a real DataLoader (see the doc)")
+    p.add_argument("--candidate-events", default="", help="S:action:N,... (see the doc)")
     args = p.parse_args()
     backend = "nccl" if args.cuda else "gloo"
     dev = fw_worker.device(args)
@@ -103,14 +145,22 @@ def main() -> int:
     fallback = None if args.durable_dir is None else durable_loader(engine, args.durable_dir)
     loader = data_loader(rank, dist.get_world_size(), args.steps) if args.loader else None
     torch.manual_seed(1 + rank)  # the augmentation noise differs per rank
-    handle = enable_resiliency(
-        engine,
-        interval=args.interval,
-        config=fw_worker.config(args, rank),
-        load_fallback=fallback,
-        state=None if loader is None else {"loader": loader},
-    )
-    fw_worker.report_recovery(args, rank, handle, global_steps=int(engine.global_steps))
+    state = None if loader is None else {"loader": loader}
+    if args.candidate_events:
+        adapter = adapter_for(engine, checkpoint_dir=args.durable_dir)
+        handle = enable_adapter(adapter, config=fw_worker.config(args, rank), state=state)
+    else:
+        handle = enable_resiliency(
+            engine,
+            interval=args.interval,
+            config=fw_worker.config(args, rank),
+            load_fallback=fallback,
+            state=state,
+        )
+    tags = _tags(args.durable_dir)
+    fw_worker.report_recovery(args, rank, handle, global_steps=int(engine.global_steps), tags=tags)
+    if args.candidate_events and fw_worker.attempt() == 0:
+        _candidate_events(args, engine, handle.adapter, rank)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     batches = None if loader is None else iter(loader)
     consumed: list[list[int]] = []

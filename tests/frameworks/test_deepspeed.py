@@ -19,6 +19,13 @@ to ``state=``: the capture must take its position and the RNGs at the
 optimizer step, before the loop fetches the next batch, so the resumed run
 trains on exactly the samples a fault-free run trains on.
 
+SCOUT's durable candidates (``durable_candidates(engine, dir)``, driven by the worker
+at the optimizer pre-hooks where SCOUT's pipelined verdict calls it): a candidate is
+saved with ``save_latest=False`` (``latest`` does not move); once verified ``latest``
+names it; a rejected one is removed. With GEMINI lost on every rank the restarted
+job loads ``latest``: the verified candidate, not the newer unresolved one, and
+finishes identical to a fault-free run.
+
 Skipped where DeepSpeed is not installed (``make extras`` installs it).
 """
 
@@ -164,4 +171,43 @@ def test_a_real_data_loader_resumes_at_the_batch_after_the_captured_step(jobs: _
         assert len(set(ids)) == len(ids) == 4 * _STEPS  # one epoch, no sample twice
     # The augmentation noise drawn at each fetch is identical too (the global RNG).
     compared = assert_bit_identical(crash, reference)
+    assert compared >= 2 * (4 + 6 + 2), compared
+
+
+def test_durable_candidates_become_latest_only_once_verified(jobs: _Jobs) -> None:
+    stage = 1  # the engine's save/load is the same for every stage
+    durable = jobs.tmp / "ds-candidates"
+    events = "3:write:2,5:verified:2,5:write:4,7:rejected:4,7:write:6"
+    job = jobs.get(
+        "candidates",
+        stage,
+        *("--interval", "2", "--fault-step", "7", "--fault-all"),
+        *("--durable-dir", str(durable), "--candidate-events", events),
+        restarts=1,
+    )
+    log = json.loads(
+        (jobs.tmp / "zero1-candidates" / "candidates" / "candidates-rank-0.json").read_text()
+    )
+    seen = [(e["at"], e["event"], e["latest"], e["tags"]) for e in log]
+    c = "scout-candidate-"
+    assert seen == [
+        (3, "write 2", None, [f"{c}2"]),  # saved, and latest does not name it
+        (5, "verified 2", f"{c}2", [f"{c}2"]),
+        (5, "write 4", f"{c}2", [f"{c}2", f"{c}4"]),
+        (7, "rejected 4", f"{c}2", [f"{c}2"]),  # removed
+        (7, "write 6", f"{c}2", [f"{c}2", f"{c}6"]),  # the job dies before its verdict
+    ]
+    assert job.run.attempts == 2, job.run.describe()
+    for rank in (0, 1):
+        resumed = job.reports[(1, rank)]
+        assert resumed["tags"] == [f"{c}2", f"{c}6"]
+        assert (resumed["source"], resumed["start_step"], resumed["global_steps"]) == (
+            "fallback",
+            2,
+            2,
+        )
+    # As in the fallback test: DeepSpeed's checkpoint holds rank 0's module buffers only.
+    compared = assert_bit_identical(
+        job, jobs.reference(stage), skip=lambda rank, key: rank == 1 and "buffer." in key
+    )
     assert compared >= 2 * (4 + 6 + 2), compared

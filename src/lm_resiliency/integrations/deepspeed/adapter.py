@@ -23,7 +23,8 @@ optimizer, so the step counts as done at the next forward
 
 Durable fallback: with ``checkpoint_dir``, ``engine.load_checkpoint(checkpoint_dir,
 tag=checkpoint_tag)`` (the ``latest`` tag when None) is the loader used when no
-GEMINI step is available on every rank.
+GEMINI step is available on every rank. SCOUT's durable candidates go to the same
+folder, under tags ``latest`` names only once they are verified (:mod:`.candidates`).
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ from lm_resiliency.integrations._optim_state import (
 )
 from lm_resiliency.integrations.base import (
     AdapterBase,
+    DurableCandidate,
     DurableFallback,
     ParallelLayout,
     StepBoundary,
     Unbind,
 )
+from lm_resiliency.integrations.deepspeed.candidates import CapturedBuffers, durable_candidates
 from lm_resiliency.integrations.deepspeed.zero import ZeroView, zero_view
 
 __all__ = ["DeepSpeedAdapter"]
@@ -83,6 +86,7 @@ class DeepSpeedAdapter(AdapterBase):
         self._dp_group = self.view.zero.dp_process_group
         self._checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self._checkpoint_tag = checkpoint_tag
+        self._buffers: CapturedBuffers | None = None  # the newest capture's, for candidates
 
     # ------------------------------------------------------------------ seam
     def bind(self, boundary: StepBoundary) -> Unbind:
@@ -103,6 +107,9 @@ class DeepSpeedAdapter(AdapterBase):
     def state_dict(self) -> dict[str, Any]:
         view = self.view
         sched = self.engine.lr_scheduler
+        # Copied now: buffers change inside the next forward (BatchNorm statistics).
+        buffers = persistent_buffers(self.engine.module)
+        self._buffers = (int(self.engine.global_steps), buffers)
         return {
             "identity": self._identity(),
             "masters": list(view.masters),
@@ -110,8 +117,7 @@ class DeepSpeedAdapter(AdapterBase):
             "param_groups": capture_hparams(view.inner),
             "engine": {name: int(getattr(self.engine, name)) for name in _COUNTERS},
             "lr_scheduler": None if sched is None else sched.state_dict(),
-            # Copied now: buffers change inside the next forward (BatchNorm statistics).
-            "buffers": persistent_buffers(self.engine.module),
+            "buffers": buffers,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -156,6 +162,13 @@ class DeepSpeedAdapter(AdapterBase):
         if self._checkpoint_dir is None:
             return None
         return durable_loader(self.engine, self._checkpoint_dir, tag=self._checkpoint_tag)
+
+    def durable_candidate(self) -> DurableCandidate | None:
+        """With ``checkpoint_dir``: SCOUT's candidates saved there, named by ``latest`` only
+        once verified (:mod:`.candidates`); ``None`` without it."""
+        if self._checkpoint_dir is None:
+            return None
+        return durable_candidates(self.engine, self._checkpoint_dir, lambda: self._buffers)
 
     def modules(self) -> Sequence[torch.nn.Module]:
         return [self.engine.module]
