@@ -1,5 +1,6 @@
 """MoE through the front door: ``ScoutConfig(catalog=...)`` certifies by cycles, and the plain
-loop's ``save_durable`` (the partner of ``load_fallback``) writes each durable candidate.
+loop's ``save_durable`` (the partner of ``load_fallback``) writes each durable candidate
+and, having ``verified``/``rejected`` methods, is told each one's fate.
 
 4 DDP ranks, a top-1 routed MoE, ``enable_resiliency(..., interval=5)`` with a dynamic
 catalog of K = 2 expert shapes checked every 5 steps; the dense recipes are checked every
@@ -60,10 +61,21 @@ def _job(rank: int, world: int, tmp: str, first: bool) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     durable = Path(tmp) / "durable"
     written: list[int] = []
+    fates: list[tuple[str, int]] = []
 
-    def save_durable(step: int) -> None:  # the framework's durable candidate
-        save_file(model.state_dict(), str(durable / f"candidate-{step}-rank{rank}.safetensors"))
-        written.append(step)
+    class SaveDurable:  # the framework's durable candidate, told each one's fate
+        def __call__(self, step: int) -> None:
+            path = durable / f"candidate-{step}-rank{rank}.safetensors"
+            save_file(model.state_dict(), str(path))
+            written.append(step)
+
+        def verified(self, step: int) -> None:
+            fates.append(("verified", step))
+
+        def rejected(self, step: int) -> None:
+            fates.append(("rejected", step))
+
+    save_durable = SaveDurable()
 
     durable.mkdir(exist_ok=True)
     every_step = RecipeClass(interval=1)
@@ -113,6 +125,7 @@ def _job(rank: int, world: int, tmp: str, first: bool) -> dict:
         "table": table,
         "captured": captured,
         "written": written,
+        "fates": fates,
         "rejected": [s for s, _ in status.rejected],
         "skipped": h.stats.skipped,
         "durable10": _digest(load_file(str(durable / f"candidate-10-rank{rank}.safetensors"))),
@@ -130,6 +143,7 @@ def test_moe_candidate_verified_rejected_through_enable_resiliency(tmp_path: Pat
         ], f"rank {rank}: {t}"  # fmt: skip
         assert t[25][0] is ScoutStatus.SDC and t[25][1:] == (None, 10), f"rank {rank}: {t}"
         assert o["written"] == [10, 20]  # a durable candidate at each first/next cycle
+        assert o["fates"] == [("verified", 10), ("rejected", 20)]  # told at 20 and 25
         assert o["rejected"] == [20]  # the SDC rejected the candidate on every rank
         assert o["skipped"] >= 2  # 25 and 30 were not captured
         assert o["durable10"] == o["captured"][10]  # the durable candidate is that state
