@@ -240,7 +240,11 @@ class MTGS:
             self.shadow.begin()
         aborts: list[AbortRecord] = []
         changes: list[MembershipChange] = []
-        last: _AbortedError | None = None
+        # The last abort's codes, never the exception: its traceback holds this frame,
+        # and that cycle would pin self (so the DDP reducer and its process group) until
+        # the cyclic GC, after destroy_process_group() and possibly during interpreter
+        # shutdown, where a Gloo worker that frees a work aborts the process.
+        last_codes: dict[int, int] | None = None
         data_after: dict[str, Any] | None = None
         self._local_error = None
         attempt = 0
@@ -248,7 +252,7 @@ class MTGS:
             try:
                 loss = self._attempt(closure, step, attempt, micro_batches)
             except _AbortedError as abort:
-                last = abort
+                last_codes = abort.codes
                 data_after = self.data_state.state_dict() if self.data_state else None
                 aborts.append(self._recover(abort, step, attempt, rng, data))
                 attempt += 1
@@ -270,12 +274,12 @@ class MTGS:
                 start_ns=start_ns,
                 changes=changes,
             )
-        assert last is not None
+        assert last_codes is not None
         if self.config.on_exhausted is ExhaustedPolicy.SKIP:
             if self.data_state is not None and data_after is not None:
                 self.data_state.load_state_dict(data_after)  # move past the bad batch
             self.committed_steps = step
-            self._log("mtgs.skip", step=step, reasons=describe(last.codes))
+            self._log("mtgs.skip", step=step, reasons=describe(last_codes))
             return self._result(
                 step,
                 committed=False,
@@ -287,11 +291,11 @@ class MTGS:
             )
         raise StepAborted(
             f"step {step} aborted on every rank after {len(aborts)} attempt(s) "
-            f"(max_retries={self.config.max_retries}): {describe(last.codes)}; "
+            f"(max_retries={self.config.max_retries}): {describe(last_codes)}; "
             f"parameters and optimizer state are those from before step {step}"
             + (f"; this rank's last error: {self._local_error}" if self._local_error else ""),
             step=step,
-            reasons={r: reason_names(c) for r, c in last.codes.items()},
+            reasons={r: reason_names(c) for r, c in last_codes.items()},
         )
 
     @property
