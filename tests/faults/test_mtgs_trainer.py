@@ -17,8 +17,10 @@ import pytest
 _ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(
+    *args: str, timeout_s: float = 240, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     env.pop("LM_RESILIENCY_FAULTS", None)
     return subprocess.run(
         args, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
@@ -224,3 +226,51 @@ def test_without_the_hook_a_backward_exception_is_completed_and_retried(tmp_path
     # no MTGS hook: DDP's own all-reduce reduced the buckets; rank 1 completed its share
     assert counts["bucket_allreduces"] == 0 and counts["explicit_votes"] == 4
     assert counts["fallback_allreduces"] > 0
+
+
+# Imported by every process of the run (sitecustomize): no automatic collection, and at
+# exit, before the interpreter finalizes, each worker writes which Gloo threads still run.
+_EXIT_OBSERVER = """
+import atexit, gc, os, sys
+gc.disable()
+def _record():
+    if "_train_worker" not in " ".join(sys.argv):
+        return
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    path = os.path.join(os.environ["EXIT_OBSERVER_DIR"], f"gloo-threads-{os.getpid()}.txt")
+    with open(path, "w") as f:
+        f.write(",".join(sorted(n for n in names if "gloo" in n)))
+atexit.register(_record)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through /proc")
+def test_workers_stop_the_gloo_threads_before_the_interpreter_finalizes(tmp_path: Path) -> None:
+    # Without the cyclic GC, the first DDP model of a process stays in torch's import garbage
+    # (and, before the fix, in MTGS's abort traceback): its reducer keeps the group, and a
+    # Gloo thread alive in interpreter shutdown may abort the process (std::terminate).
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_EXIT_OBSERVER)
+    observed = tmp_path / "observed"
+    observed.mkdir()
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    p = _run(
+        sys.executable,
+        "-m",
+        "mtgs.trainer",
+        *("--steps", "3", "--mtgs-disable-hook", "--faults", "backward_exception@1:2"),
+        *("--log-dir", str(tmp_path / "logs")),
+        env_extra={"PYTHONPATH": path, "EXIT_OBSERVER_DIR": str(observed)},
+    )
+    assert p.returncode == 0, p.stderr
+    assert "[train] committed steps=3 aborts=1 retries=1 rollbacks=0" in p.stdout
+    left = sorted(f.read_text() for f in observed.glob("gloo-threads-*.txt"))
+    assert left == ["", ""], f"Gloo threads still running at a worker's exit: {left}"

@@ -10,6 +10,7 @@ Exit code 0 on success, 1 when the training ended with an error.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -58,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / f"result-rank{rank}.json").write_text(json.dumps(result))
         events.close()
     if code == 0:
+        # The DDP reducer holds the group: destroy_process_group() only stops its Gloo
+        # threads once nothing holds the model. torch's lazy import inside DDP.__init__
+        # leaves cyclic garbage whose frames hold the model, so collect it first: the group
+        # must go now, not in the GC of interpreter shutdown, where a Gloo thread freeing a
+        # work cannot take the GIL and the process dies in std::terminate.
+        gc.collect()
         dist.destroy_process_group()
     return code
 
