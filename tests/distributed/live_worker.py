@@ -71,6 +71,9 @@ def main() -> int:
     except CoordinatorLost as exc:
         _say("lost", kind=type(exc).__name__, message=str(exc))
         return 75
+    except RunFinished as exc:  # a joiner: every member finished while it waited
+        _say("run_finished", epoch=exc.epoch, step=exc.step, message=str(exc), pid=os.getpid())
+        return 0
     finally:
         m.close()
     _say("stopped")

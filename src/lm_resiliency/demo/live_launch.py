@@ -6,6 +6,8 @@ replicas), its event logs in ``run_dir`` (``LMR_LIVE_EVENTS``), its output in
 ``run_dir/launcher.log``. :func:`follow` waits until the survivors committed the last step and
 every killed replica came back (committed the last step too when the heal admits it, else
 registered as a joiner), then stops the launcher, which kills whatever of its tree is left.
+A joiner still waiting when every member finished is told so by the coordinator and exits
+0, so the launcher may also end by itself first.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def follow(job: LiveJob, timeout_s: float, *, heal_wait_s: float = 0.0) -> str |
             if time.monotonic() >= heal_deadline:
                 break
         if job.proc.poll() is not None:
-            if done and not spec.kill_replicas:
+            if done:  # every group ended by itself: a joiner the end came before exits 0 too
                 break
             return f"the launcher exited {job.proc.returncode} before the run finished"
         if time.monotonic() > deadline:

@@ -55,7 +55,7 @@ from lm_resiliency.live.sampler import (
     share_size,
     weight,
 )
-from lm_resiliency.live.view import CoordinatorLost
+from lm_resiliency.live.view import CoordinatorLost, RunFinished
 from lm_resiliency.persistence.identity import RUN_ID_ENV
 from lm_resiliency.telemetry import EventLog
 from lm_resiliency.transactions.mtgs_config import MTGSConfig
@@ -539,7 +539,11 @@ class LiveSession:
             step = capture.apply(tree)
             return capture.build(step)
 
-        record, healed = heal.join(self.membership, load)
+        try:
+            record, healed = heal.join(self.membership, load)
+        except RunFinished as exc:
+            self._log("live.run_finished", epoch=exc.epoch, step=exc.step)
+            raise
         if healed is None:
             log.warning(
                 "live membership: replica %d: every member left before it was healed; the "

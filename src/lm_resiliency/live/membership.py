@@ -536,7 +536,8 @@ class Membership:
         current = int(self._ask(lambda s: s.get(keys.epoch)))
         key = keys.epoch_record(current)
         record = decode(EpochRecord, self._get(key), key=key)
-        _raise_if_finished(record)
+        # Even after a "finished" epoch: it registers as a joiner, and await_admission
+        # raises RunFinished (the front door has logged live.joining by then).
         self._epoch, self._members = record.epoch, record.members
         self.register_join()
 
