@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -179,7 +179,7 @@ class LiveSession:
         self.data_state: dict[str, Any] = {}
         """MTGS's later data state (the sampler, once made): restored before every redo."""
         self.events = _events(config, membership)
-        self._digest_of: Callable[[], int] | None = None
+        self._digest_of: Callable[[], tuple[int, dict[str, str]]] | None = None
         self._redo_start: float | None = None
         self._leaving = False
         self.capture: CaptureTree | None = None
@@ -247,16 +247,18 @@ class LiveSession:
     def bind(
         self,
         txn: MTGS,
-        state_tensors: Callable[[], list[torch.Tensor]],
+        state_tensors: Callable[[], dict[str, list[torch.Tensor]]],
         capture: CaptureTree | None = None,
     ) -> None:
-        """Attach the transaction (the step source), the state the digest covers, and the
-        capture tree a donor serves to a joiner (``heal.at_boundary``)."""
+        """Attach the transaction (the step source), the state the digest covers (its parts
+        by name, :func:`adapter_state_tensors`), and the capture tree a donor serves to a
+        joiner (``heal.at_boundary``)."""
         self.txn = txn
         self.capture = capture
 
-        def digest() -> int:
-            return digest_tensors(state_tensors())
+        def digest() -> tuple[int, dict[str, str]]:
+            parts = {name: digest_tensors(ts) for name, ts in state_tensors().items()}
+            return combine_digests(parts.values()), {k: f"{v:016x}" for k, v in parts.items()}
 
         self._digest_of = digest
         model = txn.model.module
@@ -420,9 +422,17 @@ class LiveSession:
             "epoch": epoch,
             "members": list(members),
         }
+        if result.attempts > 1:  # what the step went through before this commit
+            fields["attempts"] = result.attempts
+            fields["aborts"] = [
+                {"phase": a.phase, "reasons": {str(r): list(n) for r, n in a.reasons.items()}}
+                for a in result.aborts
+            ]
         every = self.config.digest_every
         if every and result.step % every == 0 and self._digest_of is not None:
-            fields["digest"] = f"{self._digest_of():016x}"
+            whole, parts = self._digest_of()
+            fields["digest"] = f"{whole:016x}"
+            fields["digest_parts"] = parts  # which part differs when replicas disagree
         if result.membership_changes:
             change = result.membership_changes[-1]
             fields["change"] = {
@@ -640,20 +650,36 @@ def _scripted(faults: FaultInjector | None, kind: FaultKind) -> dict[int, frozen
     return {r: frozenset(s) for r, s in out.items()}
 
 
-def adapter_state_tensors(adapter: Adapter) -> Callable[[], list[torch.Tensor]]:
-    """The tensors the commit log's digest covers: parameters, buffers, optimizer state."""
+def adapter_state_tensors(adapter: Adapter) -> Callable[[], dict[str, list[torch.Tensor]]]:
+    """The tensors the commit log's digest covers, by part: ``params``, ``buffers``, ``optim``.
 
-    def tensors() -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
+    The optimizer state is taken in parameter-group order (each parameter's entries by key),
+    not in the order ``optimizer.state`` happened to gain them: two replicas holding the same
+    state get the same digest however their optimizer state was created (a first step, a
+    rollback's refill, a heal's ``load_state_dict``).
+    """
+
+    def tensors() -> dict[str, list[torch.Tensor]]:
+        params: list[torch.Tensor] = []
+        buffers: list[torch.Tensor] = []
+        optim: list[torch.Tensor] = []
         for module in adapter.modules():
-            out += [t.detach() for t in module.parameters()]
-            out += [t.detach() for t in module.buffers()]
+            params += [t.detach() for t in module.parameters()]
+            buffers += [t.detach() for t in module.buffers()]
         for opt in adapter.step_optimizers():
-            for state in opt.state.values():
-                out += [v for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
-        return out
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    optim += [v for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+        return {"params": params, "buffers": buffers, "optim": optim}
 
     return tensors
+
+
+def combine_digests(parts: Iterable[int]) -> int:
+    """One 64-bit digest of several (the parts' digests, in order)."""
+    words = [v - (1 << 64) if v >= 1 << 63 else v for v in parts]  # as signed int64
+    return digest_tensors([torch.tensor(words, dtype=torch.int64)])
 
 
 def _events(config: LiveConfig, membership: Membership) -> EventLog | None:

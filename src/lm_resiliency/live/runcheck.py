@@ -166,7 +166,7 @@ def check_run(
             f"step {step}: members {members} but committed by replicas {sorted(replicas)}"
         )
         digests = {c.get("digest") for c in commits}
-        assert len(digests) == 1, f"step {step}: replicas' digests differ: {commits}"
+        assert len(digests) == 1, f"step {step}: replicas' digests differ: {_disagreement(commits)}"
         (epoch,) = epochs
         drawn: list[int] = []
         for c in commits:
@@ -192,3 +192,20 @@ def check_run(
             f"final digest of step {run.last_step} is {run.final_digest}, the reference's {ref}"
         )
     return run
+
+
+def _disagreement(commits: list[dict[str, Any]]) -> str:
+    """Which replicas hold which digest, which parts differ, and each commit's attempts."""
+    by_digest: dict[str | None, list[int]] = defaultdict(list)
+    for c in commits:
+        by_digest[c.get("digest")].append(c["replica"])
+    parts = [c.get("digest_parts") or {} for c in commits]
+    names = sorted({k for p in parts for k in p})
+    differ = [k for k in names if len({p.get(k) for p in parts}) > 1]
+    groups = "; ".join(f"replicas {rs}: {d}" for d, rs in sorted(by_digest.items(), key=str))
+    attempts = {c["replica"]: c.get("attempts", 1) for c in commits}
+    return (
+        f"{groups}; parts that differ: {differ or 'not logged'}; attempts per replica "
+        f"{attempts}; epoch {commits[0].get('epoch')}, members {commits[0].get('members')}; "
+        f"records: {commits}"
+    )
