@@ -122,6 +122,12 @@ def _check_kill(run: LiveRun, run_dir: Path, killed: set[int]) -> None:
         assert set(run.members_at(step)) == want, (step, run.members_at(step))
     for r in killed:
         assert len(run.pids[r]) == 2, f"replica {r}: its torchrun did not restart it ({run.pids})"
+    # The commit log says what a redone step went through: the commit that adopted a change
+    # carries its attempts (the change's redo among them) and its aborts.
+    redone = [c for s in run.commits.values() for c in s if "change" in c]
+    assert any(c["step"] == _KILL_STEP for c in redone), run.commits[_KILL_STEP]
+    for c in redone:
+        assert c.get("attempts", 1) >= 2 and isinstance(c.get("aborts"), list), c
     t_kill = min(float((run_dir / f"kill-{r}").read_text()) for r in killed)
     first = run.first_commit_time(_KILL_STEP) - t_kill
     print(f"\nfirst committed step of the survivors {first:.2f} s after the kill")
