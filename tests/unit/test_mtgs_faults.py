@@ -19,6 +19,7 @@ from lm_resiliency.faults import (
     FaultSchedule,
     InjectedFaultError,
 )
+from lm_resiliency.frontdoor.live import _scripted
 from lm_resiliency.telemetry import EventLog
 
 
@@ -32,6 +33,17 @@ def test_parse_round_trips_and_marks_persistent_faults() -> None:
     assert FaultSchedule.parse(s.spec()) == s
     assert len(FaultSchedule.parse("")) == 0
     assert len(FaultSchedule.parse(None)) == 0
+
+
+def test_every_member_sees_the_scripted_joins_of_other_replicas() -> None:
+    """A member waits after S - 1 for ``join@R:S`` of another replica R, so its injector (its
+    own items only) must still show the job's joins: without this the members raced on and
+    the heal landed at a later step, or failed (seen in CI)."""
+    member = FaultInjector("leave@1:4,join@1:10,nan_grad@2:3", rank=0)
+    assert len(member.schedule) == 0
+    assert _scripted(member, FaultKind.JOIN) == {1: frozenset({10})}
+    assert _scripted(member, FaultKind.LEAVE) == {1: frozenset({4})}
+    assert _scripted(None, FaultKind.JOIN) == {}
 
 
 @pytest.mark.parametrize(

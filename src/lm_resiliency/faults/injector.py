@@ -66,6 +66,9 @@ class FaultInjector:
         if isinstance(schedule, str) or schedule is None:
             schedule = FaultSchedule.parse(schedule)
         self.schedule = schedule.for_rank(rank)
+        self.job_schedule = schedule
+        """The whole schedule, every rank's items: live membership's members read the
+        ``join@R:S`` items of other replicas from it (they wait for R's admission)."""
         self.rank = rank
         self.dry_run = dry_run
         self.events = events

@@ -642,9 +642,13 @@ class _KillPointReducer(LiveReducer):
 
 
 def _scripted(faults: FaultInjector | None, kind: FaultKind) -> dict[int, frozenset[int]]:
-    """Replica -> the steps of the schedule's ``kind`` items (``leave``/``join``) for it."""
+    """Replica -> the steps of the job schedule's ``kind`` items (``leave``/``join``) for it.
+
+    The job's schedule, not the injector's own items: a member waits for other replicas'
+    scripted joins.
+    """
     out: dict[int, set[int]] = {}
-    for f in faults.schedule if faults is not None else ():
+    for f in faults.job_schedule if faults is not None else ():
         if f.kind is kind:
             out.setdefault(f.rank, set()).add(f.step)
     return {r: frozenset(s) for r, s in out.items()}

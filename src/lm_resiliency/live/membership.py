@@ -252,9 +252,10 @@ class Membership:
         lease = self._running_lease()
         cause = lease.failed()
         if cause is None:
-            cause = self._ask(lambda s: failure_cause(s, self._keys, self._epoch))
+            epoch = self._epoch  # one value: the cause is cached for the epoch it was read for
+            cause = self._ask(lambda s: failure_cause(s, self._keys, epoch))
             if cause is not None:
-                lease.note_failed(self._epoch, cause)
+                lease.note_failed(epoch, cause)
         return cause
 
     def report_failure(self, reason: str) -> None:
