@@ -91,3 +91,55 @@ def test_check_run_names_the_replicas_and_the_part_that_differ(tmp_path: Path) -
     assert "replicas [0]: d-o1; replicas [1]: d-o2" in text
     assert "parts that differ: ['optim']" in text
     assert "attempts per replica {0: 1, 1: 2}" in text
+
+
+def _write_heal_run(
+    folder: Path, *, fresh1: str = "p0", bound: str = "p2", before: str = "p2"
+) -> None:
+    """Replicas 0 and 1 commit steps 1-2 (params digest p1, p2); replica 2, healed at step 2,
+    commits step 3 with all of them; every first commit says where its process started."""
+
+    def commit(replica: int, step: int, first: dict[str, str] | None) -> list[dict[str, object]]:
+        epoch, members = (0, [0, 1]) if step < 3 else (1, [0, 1, 2])
+        who = {"replica": replica, "pid": 100 + replica}
+        parts = {"params": f"p{step}", "buffers": "b", "optim": f"o{step}"}
+        record = {"event": "mtgs.commit", **who, "step": step, "epoch": epoch,
+                  "members": members, "digest": f"d{step}", "digest_parts": parts}  # fmt: skip
+        if first is not None:
+            record["first"] = first
+        sample = {"event": "live.sample", **who, "step": step, "epoch": epoch,
+                  "indices": [10 * step + replica]}  # fmt: skip
+        return [sample, record]
+
+    for replica in (0, 1):
+        at = fresh1 if replica == 1 else "p0"
+        records = [{"event": "live.start", "replica": replica, "pid": 100 + replica, "step": 0}]
+        records += commit(replica, 1, {"params_at_bind": at, "params_before_step": at})
+        records += commit(replica, 2, None) + commit(replica, 3, None)
+        path = folder / f"events-replica-{replica}-rank-0.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    healed = [{"event": "live.healed", "replica": 2, "pid": 102, "step": 2, "epoch": 1}]
+    healed += commit(2, 3, {"params_at_bind": bound, "params_before_step": before})
+    path = folder / "events-replica-2-rank-0.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in healed))
+
+
+def test_check_run_names_a_process_that_did_not_start_from_the_committed_state(
+    tmp_path: Path,
+) -> None:
+    _write_heal_run(tmp_path)
+    assert check_run(tmp_path).healed == {102: 2}
+    _write_heal_run(tmp_path, bound="pX", before="pX")
+    with pytest.raises(AssertionError, match=r"replica 2\) started from step 2 with parameters "
+                       r"pX, not the p2 every member held after step 2"):  # fmt: skip
+        check_run(tmp_path)
+    _write_heal_run(tmp_path, before="pY")
+    with pytest.raises(AssertionError, match=r"replica 2\): its parameters changed between "
+                       r"enable_resiliency and its first optimizer step \(p2 -> pY"):  # fmt: skip
+        check_run(tmp_path)
+    _write_heal_run(tmp_path, fresh1="pZ")
+    different = (
+        r"started from different parameters \(digest: replicas\): \{'p0': \[0\], 'pZ': \[1\]\}"
+    )
+    with pytest.raises(AssertionError, match=different):
+        check_run(tmp_path)

@@ -180,6 +180,9 @@ class LiveSession:
         """MTGS's later data state (the sampler, once made): restored before every redo."""
         self.events = _events(config, membership)
         self._digest_of: Callable[[], tuple[int, dict[str, str]]] | None = None
+        self._first: dict[str, str] | None = None
+        """The first commit's ``first`` field (digests of the parameters the process started
+        from), then None."""
         self._redo_start: float | None = None
         self._leaving = False
         self.capture: CaptureTree | None = None
@@ -261,11 +264,20 @@ class LiveSession:
             return combine_digests(parts.values()), {k: f"{v:016x}" for k, v in parts.items()}
 
         self._digest_of = digest
+        # Where this process's training starts, for the first commit's record: the parameters
+        # as bound (after init, recovery or a heal) and just before its first optimizer step.
+        # A replica whose first commit disagrees shows which of the two already differed.
+        self._first = {"params_at_bind": f"{digest_tensors(state_tensors()['params']):016x}"}
+
+        def before_step(*_: Any) -> None:
+            kill_point("live.before_step", step=self.step)
+            if self._first is not None and "params_before_step" not in self._first:
+                params = digest_tensors(state_tensors()["params"])
+                self._first["params_before_step"] = f"{params:016x}"
+
         model = txn.model.module
         model.register_forward_pre_hook(lambda *_: kill_point("live.forward", step=self.step))
-        txn.optimizer.register_step_pre_hook(
-            lambda *_: kill_point("live.before_step", step=self.step)
-        )
+        txn.optimizer.register_step_pre_hook(before_step)
 
     def script(self, faults: FaultInjector | None) -> None:
         """The steps before which this replica leaves cleanly (``leave@R:S``) and the
@@ -422,6 +434,8 @@ class LiveSession:
             "epoch": epoch,
             "members": list(members),
         }
+        if self._first is not None:  # this process's first commit: where it started from
+            fields["first"], self._first = self._first, None
         if result.attempts > 1:  # what the step went through before this commit
             fields["attempts"] = result.attempts
             fields["aborts"] = [

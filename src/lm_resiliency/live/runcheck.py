@@ -14,6 +14,10 @@ front door writes them when ``LMR_LIVE_EVENTS`` names the folder) and raises
   global batch once (``stream=(seed, dataset_len, global_batch)`` also checks it is
   :func:`~lm_resiliency.live.sampler.global_indices` of the step);
 * every replica's digest is the same after every commit (``LiveConfig(digest_every=1)``);
+* every process trained from the committed state: the parameters it was bound with equal
+  those before its first optimizer step, and those every member held after the step it
+  started from (a heal's ``h``, a recovered step); the processes that started the run
+  started from one state (the first commit's ``first`` field);
 * with ``fallback=True`` (the coordinator was lost and every group restarted, §2.5): a
   process that logged ``live.start`` from a recovered step may commit again the steps after
   it that its predecessor committed, and the redo must end with the same digest; the PIDs
@@ -153,6 +157,7 @@ def check_run(
             f"survivor replica {replica} committed from several processes {sorted(committing)}: "
             "its PID changed (a survivor was restarted)"
         )
+    _check_starts(run, by_pid, starts)
     for step in sorted(run.commits):
         commits = run.commits[step]
         replicas = [c["replica"] for c in commits]
@@ -194,6 +199,44 @@ def check_run(
     return run
 
 
+def _check_starts(
+    run: LiveRun, by_pid: dict[int, list[dict[str, Any]]], starts: dict[int, int]
+) -> None:
+    """Every process trained from the committed state. Its first commit's ``first`` holds the
+    digests of its parameters as bound and just before its first optimizer step: the two are
+    equal (nothing but the optimizer changes them), they are what every member held after
+    the step it started from (a heal's h, a recovered step), and the processes that started
+    the run (step 0) started from one state."""
+    fresh: dict[str, list[int]] = defaultdict(list)
+    for pid, recs in by_pid.items():
+        first = next((r for r in recs if r["event"] == "mtgs.commit"), None)
+        if first is None or "first" not in first:
+            continue  # a log written before the field existed
+        who = f"pid {pid} (replica {first['replica']})"
+        bound = first["first"]["params_at_bind"]
+        before = first["first"].get("params_before_step", bound)  # no optimizer step yet
+        assert bound == before, (
+            f"{who}: its parameters changed between enable_resiliency and its first optimizer "
+            f"step ({bound} -> {before}; first commit: {first})"
+        )
+        start = run.healed.get(pid, starts[pid])
+        if start == 0:
+            fresh[bound].append(first["replica"])
+            continue
+        want = {(c.get("digest_parts") or {}).get("params") for c in run.commits.get(start, [])}
+        want.discard(None)
+        if len(want) == 1:  # else no digest of step s, or its disagreement is reported there
+            (params,) = want
+            assert bound == params, (
+                f"{who} started from step {start} with parameters {bound}, not the {params} "
+                f"every member held after step {start} (first commit: {first})"
+            )
+    assert len(fresh) <= 1, (
+        f"the processes that started the run started from different parameters (digest: "
+        f"replicas): {dict(fresh)}"
+    )
+
+
 def _disagreement(commits: list[dict[str, Any]]) -> str:
     """Which replicas hold which digest, which parts differ, and each commit's attempts."""
     by_digest: dict[str | None, list[int]] = defaultdict(list)
@@ -204,8 +247,10 @@ def _disagreement(commits: list[dict[str, Any]]) -> str:
     differ = [k for k in names if len({p.get(k) for p in parts}) > 1]
     groups = "; ".join(f"replicas {rs}: {d}" for d, rs in sorted(by_digest.items(), key=str))
     attempts = {c["replica"]: c.get("attempts", 1) for c in commits}
+    first = {c["replica"]: c["first"] for c in commits if "first" in c}
+    started = f"; first commits (where each started from): {first}" if first else ""
     return (
         f"{groups}; parts that differ: {differ or 'not logged'}; attempts per replica "
-        f"{attempts}; epoch {commits[0].get('epoch')}, members {commits[0].get('members')}; "
-        f"records: {commits}"
+        f"{attempts}; epoch {commits[0].get('epoch')}, members {commits[0].get('members')}"
+        f"{started}; records: {commits}"
     )
