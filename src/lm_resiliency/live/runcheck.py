@@ -157,7 +157,7 @@ def check_run(
             f"survivor replica {replica} committed from several processes {sorted(committing)}: "
             "its PID changed (a survivor was restarted)"
         )
-    _check_starts(run, by_pid, starts)
+    _check_starts(run, by_pid)
     for step in sorted(run.commits):
         commits = run.commits[step]
         replicas = [c["replica"] for c in commits]
@@ -199,9 +199,7 @@ def check_run(
     return run
 
 
-def _check_starts(
-    run: LiveRun, by_pid: dict[int, list[dict[str, Any]]], starts: dict[int, int]
-) -> None:
+def _check_starts(run: LiveRun, by_pid: dict[int, list[dict[str, Any]]]) -> None:
     """Every process trained from the committed state. Its first commit's ``first`` holds the
     digests of its parameters as bound and just before its first optimizer step: the two are
     equal (nothing but the optimizer changes them), they are what every member held after
@@ -219,7 +217,7 @@ def _check_starts(
             f"{who}: its parameters changed between enable_resiliency and its first optimizer "
             f"step ({bound} -> {before}; first commit: {first})"
         )
-        start = run.healed.get(pid, starts[pid])
+        start = first["step"] - 1  # the state it trained from: a heal's h, a recovered step
         if start == 0:
             fresh[bound].append(first["replica"])
             continue
