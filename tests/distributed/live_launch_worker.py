@@ -26,6 +26,7 @@ KEYS = (
     "WORLD_SIZE",
     "LOCAL_RANK",
     "TORCHELASTIC_RESTART_COUNT",
+    "OMP_NUM_THREADS",
 )
 
 

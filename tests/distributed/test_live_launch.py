@@ -46,7 +46,9 @@ class Launch:
                 stdout=err,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                # As a user runs it: OMP_NUM_THREADS is the launcher's to set.
+                env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+                | {"PYTHONUNBUFFERED": "1"},
             )
         self.seen: set[int] = set()
 
@@ -142,6 +144,7 @@ def test_each_group_is_its_own_torchrun_with_the_live_environment(
             "WORLD_SIZE": str(nproc),
             "LOCAL_RANK": str(r),
             "TORCHELASTIC_RESTART_COUNT": "0",
+            "OMP_NUM_THREADS": "1",  # set by the launcher: R * N workers share the host
         }, name
         agents.setdefault(g, set()).add(int(rec["ppid"]))  # type: ignore[call-overload]
         assert store.add(f"lmr/live/run-t/seen/{g}/{r}", 0) == 1  # the address works
@@ -304,3 +307,15 @@ def test_the_started_coordinator_serves_the_workers_and_is_restarted_when_it_die
     (tmp_path / "stop").touch()
     assert job.wait() == 0, job.output()
     _assert_all_gone(job, {coord["pid"]})
+
+
+def test_the_launcher_sets_one_omp_thread_per_worker_unless_the_caller_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plan = launch.parse([
+        "--replica-groups", "4", "--nproc-per-group", "1", "--", "train.py",
+    ])  # fmt: skip
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch._worker_env(plan, "h:1", group=0, spare=None)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch._worker_env(plan, "h:1", group=0, spare=None)["OMP_NUM_THREADS"] == "3"

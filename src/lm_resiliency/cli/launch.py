@@ -18,6 +18,12 @@ Every worker gets ``LMR_LIVE_COORDINATOR=host:port``, ``LMR_LIVE_RUN``, ``LMR_RE
 more torchrun of one process with ``LMR_LIVE_SPARE=1`` and ``LMR_LIVE_SPARE_ID`` instead of a
 replica id.
 
+Like torchrun with several processes per node, the launcher sets ``OMP_NUM_THREADS=1`` for every
+worker when the caller has not set it: its R·N workers (and spares) share one host, and torch's
+default of one intra-op thread per core in each of them oversubscribes the cores (measured: the
+demo's 4 replica groups on 2 cores stepped 5-15x slower). torchrun itself sets it only when its
+own ``--nproc-per-node`` is above 1, which a group of one process is not.
+
 The launcher is not an agent: it forwards SIGINT/SIGTERM to the torchruns, waits for them and
 exits with the worst of their exit statuses (128+signal when it was stopped by a signal). At
 exit nothing it started is left: it walks its whole process tree (it is the subreaper of its
@@ -54,6 +60,8 @@ __all__ = ["LaunchError", "LaunchPlan", "main", "register"]
 
 PROG = "lm-resiliency launch"
 _POLL_S = 0.1
+_REAP_EVERY = 10
+"""Orphans (zombies re-parented to the launcher) are reaped every this many polls."""
 # Options the launcher sets on every torchrun; a user's copy would break the per-group setup.
 _OWNED = frozenset(
     {
@@ -483,7 +491,12 @@ def _worker_env(
     if spare is not None:
         env["LMR_LIVE_SPARE"] = "1"
         env["LMR_LIVE_SPARE_ID"] = str(spare)
+    if _OMP not in env:
+        env[_OMP] = "1"  # see the module doc: R * N workers share this host
     return env
+
+
+_OMP = "OMP_NUM_THREADS"
 
 
 class Launcher:
@@ -527,6 +540,11 @@ class Launcher:
             host, port = plan.coordinator
             _reachable(host, port, plan.coordinator_timeout_s)
             address = f"{host}:{port}"
+        if _OMP not in os.environ:
+            _say(
+                f"{_OMP}=1 for every worker ({plan.replica_groups} replica groups x "
+                f"{plan.nproc_per_group} processes share this host; set {_OMP} to choose)"
+            )
         for g in range(plan.replica_groups):
             self.groups.append(
                 self._torchrun(f"g{g}", _worker_env(plan, address, group=g, spare=None))
@@ -538,9 +556,12 @@ class Launcher:
             )
             _say(f"warm spare {s}: torchrun pid {self.spares[-1].pid}")
         failed_starts = 0
+        polls = 0
         while self.stop.signum is None and any(p.poll() is None for p in self.groups):
             time.sleep(_POLL_S)
-            self._reap_orphans()
+            polls += 1
+            if polls % _REAP_EVERY == 0:  # a walk of /proc: ~3% of a core at every poll
+                self._reap_orphans()
             code = None if self.coordinator is None else self.coordinator.died()
             if code is not None and self.coordinator is not None and failed_starts < 3:
                 _say(
