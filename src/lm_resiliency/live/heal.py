@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency._killpoints import kill_point
-from lm_resiliency.capture.arena import allocate_arena
 from lm_resiliency.capture.layout import Layout
 from lm_resiliency.detection.digest import digest_tensors
 from lm_resiliency.errors import ResiliencyError
@@ -252,12 +251,12 @@ def receive(
         if 2 * got >= key.total_bytes:
             kill_point("live.heal_recv", step=step)  # half the state has arrived
 
-    # Map the arena's pages in one call before the bytes come (faulting them in one by one
-    # while receiving is slow on a loaded host).
-    arena = allocate_arena(key.total_bytes, pin=False)
+    # The arena's pages are mapped chunk by chunk by the transport, each just before its
+    # receive is posted, so the mapping overlaps the chunks in flight (mapping them all
+    # first stalled the heal: fresh pages cost as much as the wire on a VM).
     t1 = time.perf_counter()
     transfer = _transfer(membership, _JOINER, prefix, chunk_bytes)
-    received = transfer.recv(key, on_chunk=on_chunk, into=arena)
+    received = transfer.recv(key, on_chunk=on_chunk)
     transfer_s = time.perf_counter() - t1
     doc = received.state_document
     if doc.get("format") != HEAL_FORMAT or doc.get("step") != step:

@@ -249,23 +249,32 @@ class _ReadAhead:
         ring = min(channel.max_in_flight + READ_AHEAD_CHUNKS, self._count)
         # With a buffer per chunk nothing is ever reused: read everything ahead.
         self._lead = self._count if ring == self._count else READ_AHEAD_CHUNKS
-        self._ring = [allocate_arena(size, pin=False) for _ in range(ring)]
+        # Each buffer is mapped by the helper thread just before its first read, so the
+        # first chunk goes out after one buffer's pages, not the whole ring's.
+        self._size = size
+        self._ring: list[torch.Tensor | None] = [None] * ring
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lmr-read-ahead")
         self._reads: dict[int, Future[None]] = {}
         self._submitted = 0
 
     def _buffer(self, index: int) -> torch.Tensor:
         offset = index * self._chunk
-        return self._ring[index % len(self._ring)][: min(self._chunk, self._total - offset)]
+        slot = index % len(self._ring)
+        buffer = self._ring[slot]
+        if buffer is None:
+            buffer = self._ring[slot] = allocate_arena(self._size, pin=False)
+        return buffer[: min(self._chunk, self._total - offset)]
+
+    def _read(self, index: int) -> None:
+        self._reader.read_into(index * self._chunk, self._buffer(index))
 
     def __call__(self, offset: int, nbytes: int) -> torch.Tensor:
         index = offset // self._chunk
-        if offset != index * self._chunk or nbytes != self._buffer(index).numel():
+        if offset != index * self._chunk or nbytes != min(self._chunk, self._total - offset):
             raise ValueError(f"unexpected chunk [{offset}, +{nbytes}) of {self._chunk}-byte chunks")
         while self._submitted < min(index + self._lead + 1, self._count):
             j = self._submitted
-            read = self._reader.read_into
-            self._reads[j] = self._pool.submit(read, j * self._chunk, self._buffer(j))
+            self._reads[j] = self._pool.submit(self._read, j)
             self._submitted += 1
         self._reads.pop(index).result()  # a failed read raises here, in the sending thread
         return self._buffer(index)
