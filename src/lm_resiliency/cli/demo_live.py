@@ -112,6 +112,12 @@ def _demo(spec: LiveSpec, work: Path, timeout_s: float) -> bool:
     for name, value in timeline.phases().items():
         if value is not None:
             print(f"  {name:<14} {value:7.3f} s")
+    if spec.step_sleep_s:
+        print(
+            f"  (each forward sleeps {spec.step_sleep_s:g} s, a stand-in for real compute: the "
+            "survivors ack at their next collective, after it, and the redo runs it again; "
+            "benchmarks/live.py measures the bare step)"
+        )
     if timeline.full_world_s is not None:
         print(f"full world again {timeline.full_world_s:.2f} s after the kill")
     elif healing:
