@@ -3,7 +3,8 @@
 Run by ``test_live_group.py`` as a plain ``python`` process, so that its exit goes through
 the interpreter's real teardown (the point of the clean-exit check). The victim launches
 its all-reduce of iteration ``--kill-iter`` and SIGKILLs itself while its peers are inside
-it. Survivors leave through ``EpochFailed``, acknowledge, rebuild under the next epoch, redo
+it. Each iteration ends with a one-element all-reduce, its commit point (``_confirm``).
+Survivors leave through ``EpochFailed``, acknowledge, rebuild under the next epoch, redo
 the iteration and go on; at the end each prints one JSON line and exits normally.
 """
 
@@ -51,6 +52,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         try:
             group.wait(fut)
+            _confirm(group)
         except EpochFailed as exc:
             t_out = time.time()
             group.abandon(exc.cause)
@@ -60,6 +62,7 @@ def main() -> None:
             t_built = time.time()
             x = torch.full((args.numel,), float(args.replica + 1))
             group.wait(group.allreduce(x))  # redo the iteration under the new epoch
+            _confirm(group)
             changes.append(
                 {
                     "iter": it,
@@ -90,6 +93,17 @@ def main() -> None:
         ),
         flush=True,
     )
+
+
+def _confirm(group: CrossReplicaGroup) -> None:
+    """The iteration's commit point, as MTGS's commit confirmation is a step's.
+
+    A peer's share of a small all-reduce can reach some members before it dies, so the
+    all-reduce itself may complete on some survivors and fail on others: the group cannot
+    make them agree on it. A second all-reduce, which the dead peer never launched, fails on
+    every survivor, so they all redo the same iteration.
+    """
+    group.wait(group.allreduce(torch.ones(1)))
 
 
 class _SlowTeardown:
