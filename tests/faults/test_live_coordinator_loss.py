@@ -35,6 +35,10 @@ _KILL_AFTER = 7
 _B, _SAMPLES, _SEED = 16, 512, 0
 _TIMING = ["--heartbeat-s", "0.2", "--lease-s", "6", "--stale-s", "3", "--reform-timeout-s", "60",
            "--coordinator-timeout-s", "10", "--join-timeout-s", "120"]  # fmt: skip
+# A stand-in for real compute (as the demo's): the bare demo step takes ~50 ms, so without it
+# the replicas could pass step 10 (the next capture) or finish before the SIGKILL after step 7
+# lands. It leaves ~0.9 s between step 7 and step 10 (seen in CI: the restart recovered step 10).
+_STEP_SLEEP = ["--step-sleep-s", "0.3"]
 _COORD = ["--coordinator-arg=--heartbeat-s=0.2", "--coordinator-arg=--lease-s=6",
           "--coordinator-arg=--stale-s=3"]  # fmt: skip
 _LISTENING = re.compile(r"coordinator listening at \S+ \(generation (\d+), pid (\d+)")
@@ -62,7 +66,7 @@ def _launch(run_dir: Path, *, kill_coordinator: bool) -> tuple[LiveRun, str]:
     cmd = [sys.executable, "-m", "lm_resiliency.cli", "launch", "--replica-groups", "4",
            "--nproc-per-group", "1", "--term-grace-s", "10", *_COORD, "--",
            "-m", "lm_resiliency.demo.live_worker", "--steps", str(_STEPS), "--global-batch",
-           str(_B), *_TIMING]  # fmt: skip
+           str(_B), *_TIMING, *_STEP_SLEEP]  # fmt: skip
     log = run_dir / "launcher.log"
     out = log.open("wb")
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -78,6 +82,8 @@ def _launch(run_dir: Path, *, kill_coordinator: bool) -> tuple[LiveRun, str]:
             workers = {c["pid"] for r in range(4) for c in _commits(run_dir, r)}
             os.kill(int(pid), signal.SIGKILL)
             t_kill = time.time()
+            late = [r for r in range(4) if len(_commits(run_dir, r)) >= 10]
+            assert not late, f"the SIGKILL came after replicas {late} committed step 10"
             while any(_alive(p) for p in workers):
                 assert time.monotonic() < deadline + 60, "a worker did not leave after the loss"
                 time.sleep(0.05)

@@ -36,7 +36,10 @@ _B, _SAMPLES, _SEED = 16, 512, 0
 # The lease is what catches the stop, so it is short enough to do so while the run goes on,
 # and long enough that a healthy worker on this loaded machine never misses it.
 _LEASE = ["--heartbeat-s", "0.2", "--lease-s", "4", "--stale-s", "2"]
-_TIMING = [*_LEASE, "--reform-timeout-s", "60", "--coordinator-timeout-s", "30"]
+# A stand-in for real compute (as the demo's): the bare demo step takes ~50 ms, so the replicas
+# could finish the 14 steps between two of the test's polls after step 3.
+_TIMING = [*_LEASE, "--reform-timeout-s", "60", "--coordinator-timeout-s", "30",
+           "--step-sleep-s", "0.3"]  # fmt: skip
 _COORD = ["--coordinator-arg=--heartbeat-s=0.2", "--coordinator-arg=--lease-s=4",
           "--coordinator-arg=--stale-s=2"]  # fmt: skip
 _WORKER = ["-m", "lm_resiliency.demo.live_worker"]
