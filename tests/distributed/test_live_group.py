@@ -23,6 +23,7 @@ import pytest
 from live_fixtures import ScriptedCoordinator
 
 _WORKER = Path(__file__).with_name("live_group_worker.py")
+_KILL_ITER = 3
 _TIMEOUT_S = 150.0  # hard bound (four torch imports on a loaded machine take most of it)
 
 
@@ -61,7 +62,7 @@ def _finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str, str]]:
 def test_sigkill_inside_allreduce_survivors_rebuild_and_exit_cleanly(numel: int) -> None:
     coord = ScriptedCoordinator("t", 4).start()
     try:
-        procs = _launch(coord, 4, victim=2, kill_iter=3, iters=6, numel=numel)
+        procs = _launch(coord, 4, victim=2, kill_iter=_KILL_ITER, iters=6, numel=numel)
         done = _finish(procs)
     finally:
         coord.stop()
@@ -79,8 +80,8 @@ def test_sigkill_inside_allreduce_survivors_rebuild_and_exit_cleanly(numel: int)
     # The group cannot make them agree on it; the iteration's commit point, an all-reduce the
     # victim never launched, fails on all of them, as MTGS's commit confirmation does a step's.
     at = {rep["changes"][0]["iter"] for rep in reports.values() if rep["changes"]}
-    assert at == {3}, reports
-    k = 3
+    assert at == {_KILL_ITER}, reports
+    k = _KILL_ITER
     for r, rep in reports.items():
         assert rep["pid"] == procs[r].pid
         assert len(rep["changes"]) == 1

@@ -62,6 +62,8 @@ PROG = "lm-resiliency launch"
 _POLL_S = 0.1
 _REAP_EVERY = 10
 """Orphans (zombies re-parented to the launcher) are reaped every this many polls."""
+_OMP = "OMP_NUM_THREADS"
+"""Set to 1 for every worker unless the caller set it (see the module doc)."""
 # Options the launcher sets on every torchrun; a user's copy would break the per-group setup.
 _OWNED = frozenset(
     {
@@ -494,9 +496,6 @@ def _worker_env(
     if _OMP not in env:
         env[_OMP] = "1"  # see the module doc: R * N workers share this host
     return env
-
-
-_OMP = "OMP_NUM_THREADS"
 
 
 class Launcher:
