@@ -556,7 +556,10 @@ class Launcher:
             _say(f"warm spare {s}: torchrun pid {self.spares[-1].pid}")
         failed_starts = 0
         polls = 0
-        while self.stop.signum is None and any(p.poll() is None for p in self.groups):
+        # Spares too: a spare that took a lost replica over trains it to the end, and one that
+        # waits exits 0 when the coordinator publishes that the run finished.
+        torchruns = [*self.groups, *self.spares]
+        while self.stop.signum is None and any(p.poll() is None for p in torchruns):
             time.sleep(_POLL_S)
             polls += 1
             if polls % _REAP_EVERY == 0:  # a walk of /proc: ~3% of a core at every poll
@@ -580,8 +583,10 @@ class Launcher:
             _say(f"got signal {self.stop.signum}; stopping every replica group")
             return 128 + self.stop.signum
         codes = [_status(p.returncode) for p in self.groups]
-        _say(f"replica groups exited with {codes}")
-        return max(codes)
+        spares = [_status(p.returncode) for p in self.spares]
+        also = f", warm spares with {spares}" if spares else ""
+        _say(f"replica groups exited with {codes}{also}")
+        return max(codes + spares)
 
     def _torchrun(self, name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(

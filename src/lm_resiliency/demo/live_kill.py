@@ -34,13 +34,13 @@ def kill_stamp(run_dir: str | Path, replica: int) -> Path:
 def arm() -> None:
     """Keep the kill point in this process only if it is a chosen replica's first incarnation."""
     chosen = {int(r) for r in os.environ.get(KILL_REPLICAS_ENV, "").split(",") if r}
-    replica = int(os.environ["LMR_REPLICA_GROUP"])
+    replica = os.environ.get("LMR_REPLICA_GROUP")  # unset in a warm spare: never armed
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if replica not in chosen or not first:
+    if replica is None or int(replica) not in chosen or not first:
         os.environ.pop(KILL_ENV, None)
         os.environ.pop(KILL_STAMP_ENV, None)
     elif os.environ.get(KILL_ENV):
-        os.environ[KILL_STAMP_ENV] = str(kill_stamp(os.environ["LMR_LIVE_EVENTS"], replica))
+        os.environ[KILL_STAMP_ENV] = str(kill_stamp(os.environ["LMR_LIVE_EVENTS"], int(replica)))
 
 
 if __name__ == "__main__":

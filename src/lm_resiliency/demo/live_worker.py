@@ -88,7 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     faults = None
     if args.faults:
         faults = FaultInjector(
-            FaultSchedule.parse(args.faults), rank=int(os.environ["LMR_REPLICA_GROUP"])
+            # A warm spare has no replica yet: the front door renumbers it for the one it takes.
+            FaultSchedule.parse(args.faults),
+            rank=int(os.environ.get("LMR_REPLICA_GROUP", "0")),
         )
     handle = enable_resiliency(
         model, optimizer, interval=5, mtgs=MTGSConfig(), live=live, faults=faults

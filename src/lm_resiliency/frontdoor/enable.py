@@ -39,6 +39,7 @@ from lm_resiliency.frontdoor.validate import check_mtgs, check_scout, gemini_con
 from lm_resiliency.integrations.base import Adapter, DurableCandidates, Unbind
 from lm_resiliency.integrations.registry import adapter_for
 from lm_resiliency.live.config import LiveConfig
+from lm_resiliency.live.spare import SPARE_ENV
 from lm_resiliency.live.view import CoordinatorLost, Evicted, RunFinished
 from lm_resiliency.rng import restore_rng as restore_now
 from lm_resiliency.transactions.mtgs_config import MTGSConfig
@@ -161,8 +162,9 @@ def enable_adapter(
     """
     mtgs_config = check_mtgs(mtgs, adapter)
     live_config = check_live(live, mtgs_config, scout)
-    replica = _env_replica() if live_config is not None else None
-    injector = check_faults(faults, mtgs_config, replica=replica)
+    spare = live_config is not None and os.environ.get(SPARE_ENV) == "1"
+    replica = _env_replica() if live_config is not None and not spare else None
+    injector = check_faults(faults, mtgs_config, replica=replica, spare=spare)
     scout_config = check_scout(scout, adapter)
     if save_durable is not None and not callable(save_durable):
         raise ConfigError(
@@ -189,10 +191,15 @@ def enable_adapter(
     fallback = load_fallback if load_fallback is not None else adapter.durable_fallback()
     session: LiveSession | None = None
     if live_config is not None:
-        assert replica is not None
-        config = live_gemini_config(config, replica)
-        with exit_on_membership_loss(replica=replica, cleanup=None, cleanup_timeout_s=0):
-            session = LiveSession.start(live_config, injector)  # registers; waits for epoch 0
+        with exit_on_membership_loss(
+            replica=-1 if replica is None else replica, cleanup=None, cleanup_timeout_s=0
+        ):
+            # Registers and waits for epoch 0; a warm spare waits for a replica to take over.
+            session = LiveSession.start(live_config, injector)
+        if injector is not None and injector.rank != session.replica:
+            log.info("faults renumbered for replica %d (taken over)", session.replica)
+            injector.rank = session.replica  # live faults are numbered by replica
+        config = live_gemini_config(config, session.replica)
     try:
         manager = _manager(config, layout.group, layout.replica_ranks, fallback)
     except BaseException:

@@ -55,7 +55,8 @@ from lm_resiliency.live.sampler import (
     share_size,
     weight,
 )
-from lm_resiliency.live.view import CoordinatorLost, RunFinished
+from lm_resiliency.live.spare import SPARE_ENV, Taken, wait_for_takeover
+from lm_resiliency.live.view import CoordinatorLost, ReplicaTaken, RunFinished
 from lm_resiliency.persistence.identity import RUN_ID_ENV
 from lm_resiliency.telemetry import EventLog
 from lm_resiliency.transactions.mtgs_config import MTGSConfig
@@ -191,6 +192,8 @@ class LiveSession:
         self._loss_detected: float | None = None
         """The coordinator's detection time (wall clock) of the first loss since the world
         was last full: ``live.world_full`` reports the time from it."""
+        self.taken: Taken | None = None
+        """How this process became its replica, when it waited as a warm spare first."""
 
     @classmethod
     def start(cls, config: LiveConfig, faults: FaultInjector | None = None) -> LiveSession:
@@ -198,11 +201,33 @@ class LiveSession:
 
         A process that joins a running job asks to be healed at ``S - 1`` when the schedule
         scripts ``join@R:S`` for its replica (the first such item: one scripted rejoin per
-        replica).
+        replica). A warm spare (``LMR_LIVE_SPARE=1``), or a restarted worker whose replica a
+        spare took over (:class:`ReplicaTaken`), first waits for a replica to take over
+        (:func:`~lm_resiliency.live.spare.wait_for_takeover`); ``LMR_REPLICA_GROUP`` is then
+        set to the replica it became.
         """
-        replica = int(os.environ.get("LMR_REPLICA_GROUP", "0"))
-        joins = sorted(_scripted(faults, FaultKind.JOIN).get(replica, ()))
-        return cls(config, Membership.from_env(config, join_at=joins[0] - 1 if joins else 0))
+        spare = os.environ.get(SPARE_ENV) == "1"
+        own = None if spare else int(os.environ.get("LMR_REPLICA_GROUP", "0"))
+        while True:
+            taken = wait_for_takeover(config, own=own) if spare else None
+            replica = taken.replica if taken is not None else own
+            assert replica is not None
+            joins = sorted(_scripted(faults, FaultKind.JOIN).get(replica, ()))
+            try:
+                membership = Membership.from_env(
+                    config,
+                    join_at=joins[0] - 1 if joins else 0,
+                    replica=replica,
+                    incarnation=taken.inc if taken is not None else "",
+                )
+            except ReplicaTaken as exc:
+                log.warning("live membership: %s", exc)
+                spare = True
+                continue
+            os.environ["LMR_REPLICA_GROUP"] = str(replica)
+            session = cls(config, membership)
+            session.taken = taken
+            return session
 
     # -- wiring (enable_resiliency) ------------------------------------------------------
 
@@ -551,10 +576,14 @@ class LiveSession:
         admission in time) and ``HealFailed`` when the loaded state does not match the donor's.
         """
         self._log("live.joining", epoch=self.membership.epoch)
+        if self.taken is not None:
+            self._log("live.takeover", spare=self.taken.spare, waited_s=self.taken.waited_s,
+                      assigned_t=self.taken.assigned_t)  # fmt: skip
         log.warning(
-            "live membership: replica %d restarted after the run began; it registered as a "
-            "joiner and waits (at most join_timeout_s=%g s) to be healed and admitted",
+            "live membership: replica %d %s after the run began; it registered as a joiner "
+            "and waits (at most join_timeout_s=%g s) to be healed and admitted",
             self.replica,
+            "restarted" if self.taken is None else f"taken over by warm spare {self.taken.spare}",
             self.config.join_timeout_s,
         )
         t0 = time.perf_counter()

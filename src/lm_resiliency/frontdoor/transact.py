@@ -60,12 +60,13 @@ class _DataState:
 
 
 def check_faults(
-    faults: Any, mtgs: MTGSConfig | None, *, replica: int | None = None
+    faults: Any, mtgs: MTGSConfig | None, *, replica: int | None = None, spare: bool = False
 ) -> FaultInjector | None:
     """Validate ``enable_resiliency(faults=...)`` before any collective; ``ConfigError``.
 
     In live mode (``replica`` given) a fault's number is a replica id: the injector must be
-    built for this process's replica (``LMR_REPLICA_GROUP``).
+    built for this process's replica (``LMR_REPLICA_GROUP``). A warm spare (``spare``) has no
+    replica yet: the front door renumbers its injector for the replica it takes over.
     """
     if faults is None:
         return None
@@ -81,13 +82,15 @@ def check_faults(
             "scheduled fault would ever fire"
         )
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if replica is not None and faults.rank != replica:
+    if spare:
+        pass  # renumbered for the replica it takes over
+    elif replica is not None and faults.rank != replica:
         raise ConfigError(
             f"faults was built for rank={faults.rank} but this process is replica {replica} "
             "(live membership numbers faults by replica group); build it with "
             "FaultInjector(schedule, rank=int(os.environ['LMR_REPLICA_GROUP']))"
         )
-    if replica is None and faults.rank != rank:
+    elif replica is None and faults.rank != rank:
         raise ConfigError(
             f"faults was built for rank={faults.rank} but this process is rank {rank}; "
             "build it with FaultInjector(schedule, rank=dist.get_rank())"

@@ -32,6 +32,18 @@ once), then:
    still be in epoch E (stepping towards h) while E+1 is published, so during an admission
    ``fail/``, ``ack/`` and heartbeats of epochs E and E+1 both count.
 
+Vacancies and warm spares (docs/live-membership.md §6.3): when a published epoch drops a
+replica, each of its ranks' ``owner/<r>/<g>`` is set to ``open:<k>`` before the record. A
+process may register as that rank only after swapping its own incarnation in
+(``compare_set`` from the open value, so exactly one claimant wins): a restarted worker
+(:class:`~lm_resiliency.live.membership.Membership` claims) or a warm spare the coordinator
+assigns. A spare waits on its liveness socket (replica ``-1``, group rank its spare id); the
+coordinator swaps a fresh incarnation into the vacancy of a *lost* replica (not one that left
+on purpose), writes ``spare/<s>/take`` and pokes the spare's socket. A claimant that dies
+before it is a member, or a spare that does not say hello as the replica within
+``coordinator_timeout_s``, reopens the vacancy. None of this costs a request while no
+vacancy and spare are both there.
+
 Fencing: heartbeats, acks and ``fail/`` keys of an incarnation that is not a member of the
 current epoch, or of an older epoch, are ignored.
 """
@@ -44,6 +56,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -57,6 +70,7 @@ from lm_resiliency.live.keys import (
     Heartbeat,
     Join,
     Keys,
+    Takeover,
     decode,
     encode_text,
 )
@@ -193,6 +207,21 @@ class Coordinator:
         self._costs: collections.deque[float] = collections.deque(maxlen=100_000)
         self._next_read = 0.0
         """``perf_counter`` time of the next heartbeat read and coordinator beat."""
+        self._spares: dict[str, int] = {}
+        """Connected warm spares waiting: their incarnation to their spare id."""
+        self._opened = 0
+        self._vacant: dict[Rank, str] = {}
+        """Vacant ranks to the ``open:<k>`` value this coordinator wrote (a claimant may have
+        swapped it since: the swap for a spare then fails and the entry goes)."""
+        self._spare_for: set[int] = set()
+        """Vacant replicas a spare may take (lost, not left on purpose)."""
+        self._left: set[int] = set()
+        """Replicas that left on purpose (``leave``): no spare takes their place."""
+        self._takeovers: dict[str, tuple[Rank, float]] = {}
+        """A spare's new incarnation to its rank and the ``time.monotonic()`` deadline of its
+        hello as that rank."""
+        self.takeovers: list[tuple[int, int, float]] = []
+        """(replica, spare id, wall-clock time) of every assignment made."""
         store.set(keys.coord, encode_text(CoordRecord(generation, os.getpid(), self.liveness.port)))
         store.add(keys.beat, 1)
 
@@ -227,6 +256,10 @@ class Coordinator:
             if due or self._pending is not None or self.admission is not None:
                 self._read_heartbeats()
             self._check_failure_key()
+            if self._takeovers:
+                self._expire_takeovers()
+            if self._spare_for and self._spares and self._pending is None:
+                self._assign_spares()
             self._register_joiners()
             if self._pending is not None:
                 self._collect_acks()
@@ -245,14 +278,24 @@ class Coordinator:
 
     def _on_liveness(self, event: Hello | Gone) -> None:
         rank = (event.replica, event.group_rank)
+        if event.replica < 0:  # a warm spare (its group rank is its spare id)
+            if isinstance(event, Hello):
+                self._spares[event.inc] = event.group_rank
+                _log.info("warm spare %d connected (pid %d)", event.group_rank, event.pid)
+            else:
+                self._spares.pop(event.inc, None)
+            return
         if isinstance(event, Hello):
             self._connected[rank] = event
+            self._takeovers.pop(event.inc, None)
         elif rank in self._connected and self._connected[rank].inc == event.inc:
             del self._connected[rank]
         if isinstance(event, Hello):
             if self.epoch < 0 and event.replica < self.replicas and event.group_rank < self.nproc:
                 self._registered[rank] = event
             return
+        if self.epoch >= 0 and event.replica not in self.members:
+            self._reopen(rank, event.inc, f"r{rank[0]}g{rank[1]} claimant (pid {event.pid}) died")
         if self.epoch < 0:
             if rank in self._registered and self._registered[rank].inc == event.inc:
                 del self._registered[rank]  # died before the start; its restart registers again
@@ -304,7 +347,9 @@ class Coordinator:
         fresh = {
             rank: hello
             for rank, hello in self._connected.items()
-            if hello.inc not in self._retired and rank[0] < self.replicas and rank[1] < self.nproc
+            if hello.inc not in self._retired
+            and 0 <= rank[0] < self.replicas
+            and rank[1] < self.nproc
         }
         if len(fresh) < self.replicas * self.nproc:
             return
@@ -353,6 +398,8 @@ class Coordinator:
         found = next((k for k in done if self.store.check([k])), None)
         if found is None:
             member.dead = why
+            if rank not in self._vacant:
+                self._open(rank)  # its restart (or a spare) may register at once
             self._begin(why)
             return
         raw = self.store.get(found)
@@ -519,6 +566,25 @@ class Coordinator:
             self.joiners[adm.joiner].scheduled = False
 
     def _publish(self, record: EpochRecord, *, floor: int | None = None) -> None:
+        # Every member finished: nothing is vacant (a restart is told the run is over).
+        dropped = [
+            r for r in self.members if r not in record.members and record.reason != "finished"
+        ]
+        for r in record.members:
+            for g in range(self.nproc):
+                self._vacant.pop((r, g), None)
+            self._spare_for.discard(r)
+            self._left.discard(r)
+        for r in dropped:  # before the record: whoever sees r dropped can claim its ranks
+            for g in range(self.nproc):
+                if (r, g) not in self._vacant:  # not opened at its death already
+                    self._open((r, g))
+            if record.reason == "leave":
+                self._left.add(r)  # on purpose: no spare takes its place
+            elif record.members:
+                self._spare_for.add(r)
+        if dropped or record.reason == "finished":
+            self._poke_spares()  # a spare of a dropped replica reclaims it; finished: exit
         # The record first, then the number: a worker that sees ``epoch`` can read the record.
         self.store.set(self.keys.epoch_record(record.epoch), encode_text(record))
         self.store.set(self.keys.epoch, str(record.epoch))
@@ -556,6 +622,63 @@ class Coordinator:
         chosen = set(replicas)  # type: ignore[call-overload]
         return {f"{r}/{g}": m.inc for (r, g), m in sorted(self._ranks.items()) if r in chosen}
 
+    # -- vacancies and warm spares (docs/live-membership.md §6.3) --------------------------
+
+    def _open(self, rank: Rank) -> None:
+        self._opened += 1
+        value = f"open:{self._opened}"
+        self.store.set(self.keys.owner(*rank), value)
+        self._vacant[rank] = value
+
+    def _reopen(self, rank: Rank, inc: str, why: str) -> None:
+        """Open ``rank`` again if ``inc`` (dead, or too slow) still holds its claim."""
+        self._opened += 1
+        value = f"open:{self._opened}"
+        if self.store.compare_set(self.keys.owner(*rank), inc, value) == value.encode():
+            self._vacant[rank] = value
+            if rank[0] not in self._left and self.members:
+                self._spare_for.add(rank[0])
+            self._poke_spares()
+            _log.info("r%dg%d vacant again: %s", rank[0], rank[1], why)
+
+    def _poke_spares(self) -> None:
+        for inc in list(self._spares):
+            if not self.liveness.poke(inc):
+                del self._spares[inc]
+
+    def _assign_spares(self) -> None:
+        """Hand each lost replica's vacancy to a waiting spare (N = 1: rank 0 only)."""
+        for r in sorted(self._spare_for):
+            if not self._spares:
+                return
+            rank = (r, 0)
+            value = self._vacant.get(rank)
+            if value is None or r in self.joiners or self.nproc != 1:
+                self._spare_for.discard(r)
+                continue
+            inc = uuid.uuid4().hex
+            got = self.store.compare_set(self.keys.owner(*rank), value, inc)
+            self._spare_for.discard(r)
+            del self._vacant[rank]
+            if got != inc.encode():
+                continue  # a restarted worker claimed it first: it is the joiner
+            spare_inc, sid = min(self._spares.items(), key=lambda item: item[1])
+            del self._spares[spare_inc]
+            t = time.time()
+            self.store.set(self.keys.spare_take(sid), encode_text(Takeover(r, inc, t)))
+            self._takeovers[inc] = (rank, time.monotonic() + self.config.coordinator_timeout_s)
+            self.takeovers.append((r, sid, t))
+            self.liveness.poke(spare_inc)
+            _log.info("warm spare %d takes over replica %d (incarnation %s)", sid, r, inc)
+
+    def _expire_takeovers(self) -> None:
+        now = time.monotonic()
+        for inc, (rank, deadline) in list(self._takeovers.items()):
+            if now > deadline:
+                del self._takeovers[inc]
+                self._reopen(rank, inc, f"the spare given it said no hello within "
+                             f"{self.config.coordinator_timeout_s:g} s")  # fmt: skip
+
     # -- joiners -------------------------------------------------------------------------
 
     def _register_joiners(self) -> None:
@@ -577,6 +700,13 @@ class Coordinator:
                     continue  # a dead incarnation's record: its restart writes a new one
                 joiner = self.joiners.setdefault(r, Joiner(r, registered_at=time.time()))
                 if joiner.ranks.get(g) != join:
+                    okey = self.keys.owner(r, g)
+                    owner = self.store.get(okey).decode() if self.store.check([okey]) else ""
+                    if owner != join.inc:  # a claim that was reopened (a spare too slow)
+                        self._ignore(key, f"incarnation {join.inc} does not hold the claim")
+                        if not joiner.ranks:
+                            del self.joiners[r]
+                        continue
                     joiner.ranks[g] = join
                     _log.info("replica %d rank %d registered as joining (pid %d)", r, g, join.pid)
             joiner_ = self.joiners.get(r)

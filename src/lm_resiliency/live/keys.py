@@ -16,6 +16,13 @@ key                       writer            value
 ``fail/<E>``              first of anyone   :class:`Failure` (``compare_set`` from absent)
 ``ack/<E>/<r>/<g>``       worker            :class:`Ack`
 ``join/<r>/<g>``          joining worker    :class:`Join`
+``owner/<r>/<g>``         coordinator,      who may register as rank g of replica r while r
+                          claimant          is not a member: ``open:<k>`` (vacant, the
+                                            coordinator's k-th opening) or the incarnation
+                                            that claimed it (``compare_set`` from the open
+                                            value, so one claimant wins)
+``spares``                warm spare        a counter: ``add`` gives each spare its id
+``spare/<s>/take``        coordinator       :class:`Takeover`: spare s becomes a replica
 ``pg/<E>/g<g>/``          (prefix)          the epoch's cross-replica Gloo rendezvous
 ``heal/<E>/<r>/g<g>/``    (prefix)          the donor-to-joiner channel
 ========================  ================  ===============================================
@@ -37,9 +44,11 @@ __all__ = [
     "CoordRecord",
     "EpochRecord",
     "Failure",
+    "OPEN",
     "Heartbeat",
     "Join",
     "Keys",
+    "Takeover",
     "decode",
     "encode",
     "encode_text",
@@ -93,6 +102,18 @@ class Keys:
 
     def join(self, replica: int, group_rank: int) -> str:
         return f"{self.root}join/{replica}/{group_rank}"
+
+    def owner(self, replica: int, group_rank: int) -> str:
+        """Who may register as ``r<replica>g<group_rank>`` while it is not a member (§6.3)."""
+        return f"{self.root}owner/{replica}/{group_rank}"
+
+    @property
+    def spares(self) -> str:
+        return self.root + "spares"
+
+    def spare_take(self, spare: int) -> str:
+        """Where the coordinator hands warm spare ``spare`` a replica (a :class:`Takeover`)."""
+        return f"{self.root}spare/{spare}/take"
 
     def group_prefix(self, epoch: int, group_rank: int) -> str:
         """Prefix of epoch ``epoch``'s cross-replica group of group rank ``group_rank``."""
@@ -197,15 +218,30 @@ class Join:
     """The heal step a scripted ``join@R:S`` asks for (``S - 1``); 0: the coordinator's."""
 
 
-_Record = TypeVar("_Record", CoordRecord, EpochRecord, Heartbeat, Failure, Ack, Join)
+@dataclass(frozen=True)
+class Takeover:
+    """A warm spare's assignment: it registers as rank 0 of ``replica`` with incarnation ``inc``
+    (the value the coordinator swapped into ``owner/<replica>/0``)."""
+
+    replica: int
+    inc: str
+    t: float
+    """Wall-clock time of the assignment."""
 
 
-def encode(record: CoordRecord | EpochRecord | Heartbeat | Failure | Ack | Join) -> bytes:
+OPEN = "open:"
+"""The prefix of an ``owner/<r>/<g>`` value that leaves the rank vacant (``open:<k>``)."""
+
+_Record = TypeVar("_Record", CoordRecord, EpochRecord, Heartbeat, Failure, Ack, Join, Takeover)
+_Any = CoordRecord | EpochRecord | Heartbeat | Failure | Ack | Join | Takeover
+
+
+def encode(record: _Any) -> bytes:
     """The record as compact strict JSON bytes (what ``store.set`` takes)."""
     return json.dumps(dataclasses.asdict(record), separators=(",", ":"), allow_nan=False).encode()
 
 
-def encode_text(record: CoordRecord | EpochRecord | Heartbeat | Failure | Ack | Join) -> str:
+def encode_text(record: _Any) -> str:
     """:func:`encode` as ``str`` (ASCII JSON), the type ``Store.set``/``compare_set`` declare."""
     return encode(record).decode("ascii")
 

@@ -3,7 +3,10 @@
 Every worker keeps one TCP connection to the coordinator's liveness port and sends one hello
 line (``{"replica", "group_rank", "inc", "pid"}``) on it, then nothing. The kernel closes the
 connection when the process dies, however it dies, so the coordinator sees EOF without waiting
-for a lease. The other way round, the worker sees EOF when the coordinator dies.
+for a lease. The other way round, the worker sees EOF when the coordinator dies. A warm spare
+(replica ``-1``, group rank its spare id) also waits on it: the coordinator sends it one byte
+(:meth:`LivenessServer.poke`) when it has something for it to read (docs/live-membership.md
+§6.3), so an idle spare costs no request.
 
 :class:`LivenessServer` is polled by the coordinator's decision loop (``poll`` doubles as the
 loop's sleep, so an EOF wakes it at once); :class:`LivenessClient` is owned by one worker thread.
@@ -64,6 +67,7 @@ class LivenessServer:
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._by_inc: dict[str, _Conn] = {}
 
     @property
     def port(self) -> int:
@@ -78,6 +82,20 @@ class LivenessServer:
             else:
                 self._read(key.data, events)
         return events
+
+    def poke(self, inc: str) -> bool:
+        """Send one byte to the connection of incarnation ``inc`` (a warm spare); False when
+        it is gone. Never blocks: a spare that does not read has at most a few bytes queued."""
+        conn = self._by_inc.get(inc)
+        if conn is None:
+            return False
+        try:
+            conn.sock.send(b"!")
+        except (BlockingIOError, InterruptedError):
+            return True  # its buffer is full of earlier pokes: it has one to read
+        except OSError:
+            return False
+        return True
 
     def close(self) -> None:
         for key in list(self._selector.get_map().values()):
@@ -128,9 +146,12 @@ class LivenessServer:
             _log.warning("liveness: malformed hello %r (%s); connection closed", line[:200], exc)
             self._drop(conn)
             return
+        self._by_inc[conn.hello.inc] = conn
         events.append(conn.hello)
 
     def _drop(self, conn: _Conn) -> None:
+        if conn.hello is not None and self._by_inc.get(conn.hello.inc) is conn:
+            del self._by_inc[conn.hello.inc]
         self._selector.unregister(conn.sock)
         conn.sock.close()
 
@@ -166,6 +187,26 @@ class LivenessClient:
             return False
         except OSError:
             return True
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a poke; True when one (or more) came, and they are
+        read. Raises ``ConnectionError`` when the coordinator closed the connection."""
+        if self._closed:
+            raise ConnectionError("the liveness connection is closed")
+        readable, _, _ = select.select([self._sock], [], [], max(0.0, timeout_s))
+        if not readable:
+            return False
+        try:
+            data = self._sock.recv(_MAX_HELLO_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            raise ConnectionError(
+                f"the live coordinator reset the liveness connection ({exc})"
+            ) from None
+        if not data:
+            raise ConnectionError("the live coordinator closed the liveness connection")
+        return True
 
     def close(self) -> None:
         if not self._closed:

@@ -11,7 +11,9 @@ Call order (every rank of every replica group, on its training thread)::
 
 Registration writes ``hb/<r>/<g>`` and opens the liveness socket (a fresh uuid4 incarnation
 per process); the coordinator publishes epoch 0 once all R x N ranks have registered. A
-process that starts after the run began registers as a joiner (``join/<r>/<g>``) and is
+process that starts after the run began first claims its rank's vacancy (``owner/<r>/<g>``,
+docs/live-membership.md §6.3; :class:`ReplicaTaken` when another process holds it), then
+registers as a joiner (``join/<r>/<g>``) and is
 admitted through a heal (:mod:`lm_resiliency.live.heal`, docs/live-membership.md §6):
 ``await_admission``, the receive, ``ack_heal``, ``await_admitted``. Members learn of an
 admission from the heartbeat cache (``admission()``), ``enter_admission`` at the boundary
@@ -42,6 +44,7 @@ from lm_resiliency.errors import ConfigError
 from lm_resiliency.live.bounded import BoundedStore, Requester
 from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.live.keys import (
+    OPEN,
     Ack,
     CoordRecord,
     EpochRecord,
@@ -53,7 +56,13 @@ from lm_resiliency.live.keys import (
 )
 from lm_resiliency.live.lease import Lease, StoreErrors, brief, failure_cause
 from lm_resiliency.live.liveness import LivenessClient
-from lm_resiliency.live.view import BelowMinReplicas, CoordinatorLost, Evicted, RunFinished
+from lm_resiliency.live.view import (
+    BelowMinReplicas,
+    CoordinatorLost,
+    Evicted,
+    ReplicaTaken,
+    RunFinished,
+)
 
 __all__ = ["Change", "Membership"]
 
@@ -112,7 +121,10 @@ class Membership:
         replicas: int,
         group_rank: int,
         join_at: int = 0,
+        incarnation: str = "",
     ) -> None:
+        """``incarnation``: the one a warm spare was given with its takeover (the coordinator
+        already swapped it into the rank's ``owner/`` key); empty: a fresh uuid4."""
         self._join_at = join_at
         if not 0 <= replica < replicas:
             raise ConfigError(
@@ -124,12 +136,13 @@ class Membership:
         self._host, self._port = host, port
         self._address = f"{host}:{port}"
         self._replica, self._replicas, self._group_rank = replica, replicas, group_rank
-        self.incarnation = uuid.uuid4().hex
+        self.incarnation = incarnation or uuid.uuid4().hex
         self._local = threading.local()
         self._epoch = 0
         self._members: tuple[int, ...] = ()
         self.joining = False
         """True when this process registered after the run began (it waits for admission)."""
+        self._registered_at = 0
         self.last_change: Change | None = None
         self._closed = False
         self._liveness: LivenessClient | None = None
@@ -149,11 +162,14 @@ class Membership:
         env: Mapping[str, str] | None = None,
         *,
         join_at: int = 0,
+        replica: int | None = None,
+        incarnation: str = "",
     ) -> Membership:
         """Register from the launcher's environment (docs/live-membership.md §1).
 
         ``join_at``: when this process joins a running job, the heal step it asks for (a
         scripted ``join@R:S`` asks for ``S - 1``); 0 lets the coordinator choose.
+        ``replica``/``incarnation``: a warm spare's takeover (else ``LMR_REPLICA_GROUP``).
         """
         env = os.environ if env is None else env
         address = env.get("LMR_LIVE_COORDINATOR", "")
@@ -168,10 +184,11 @@ class Membership:
             host=host,
             port=int(port),
             run=env.get("LMR_LIVE_RUN", ""),
-            replica=_env_int(env, "LMR_REPLICA_GROUP", None),
+            replica=_env_int(env, "LMR_REPLICA_GROUP", None) if replica is None else replica,
             replicas=_env_int(env, "LMR_REPLICA_GROUPS", None),
             group_rank=_env_int(env, "RANK", 0),
             join_at=join_at,
+            incarnation=incarnation,
         )
 
     # -- MembershipView ------------------------------------------------------------------
@@ -377,6 +394,11 @@ class Membership:
                     self._epoch, self._members = record.epoch, record.members
                     self._running_lease().set_epoch(record.epoch, joining=True)
                     return record
+                other = record.incarnations.get(f"{self._replica}/{self._group_rank}")
+                if record.epoch > self._registered_at and other not in (None, self.incarnation):
+                    # This rank's claim was reopened (a spare too slow to say hello) and
+                    # another process holds it: this one can never be admitted.
+                    raise ReplicaTaken(self._replica, self._group_rank, other)
                 if record.reason == "start" and record.admits(
                     self._replica, self._group_rank, self.incarnation
                 ):
@@ -501,6 +523,8 @@ class Membership:
         while not self._ask(lambda s: s.check([keys.coord])):
             self._wait_slice(deadline, "the coordinator's record")
         coord = decode(CoordRecord, self._ask(lambda s: s.get(keys.coord)), key=keys.coord)
+        if self._ask(lambda s: s.check([keys.epoch])):
+            self._claim()  # the run began: only the holder of the rank's vacancy registers
         self._liveness = LivenessClient(
             self._host,
             coord.live_port,
@@ -540,7 +564,29 @@ class Membership:
         # Even after a "finished" epoch: it registers as a joiner, and await_admission
         # raises RunFinished (the front door has logged live.joining by then).
         self._epoch, self._members = record.epoch, record.members
+        self._registered_at = record.epoch  # a dead predecessor may still be named in it
         self.register_join()
+
+    def _claim(self) -> None:
+        """Hold ``owner/<r>/<g>`` before saying hello as this rank (docs/live-membership.md §6.3).
+
+        A vacancy (``open:<k>``) is swapped for this incarnation; one this process was given
+        (a spare's takeover) is kept. Any other value is another process's: a warm spare
+        that took the replica over, a member, or a member whose death the coordinator has
+        not seen yet; :class:`ReplicaTaken` makes this process a spare, and a spare whose
+        own replica opens again claims it back.
+        """
+        key = self._keys.owner(self._replica, self._group_rank)
+        mine = self.incarnation
+        for _ in range(8):  # each lost swap means another claimant won a newer vacancy
+            value = self._get(key).decode() if self._ask(lambda s: s.check([key])) else ""
+            if value == mine:
+                return
+            if not value.startswith(OPEN):
+                raise ReplicaTaken(self._replica, self._group_rank, value or "a member")
+            if self._ask(lambda s, v=value: s.compare_set(key, v, mine)) == mine.encode():  # type: ignore[misc]
+                return
+        raise ReplicaTaken(self._replica, self._group_rank, "other claimants")
 
     def _wait_slice(self, deadline: float, what: str) -> None:
         if time.monotonic() > deadline:

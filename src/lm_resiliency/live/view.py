@@ -20,6 +20,7 @@ __all__ = [
     "EpochFailed",
     "Evicted",
     "MembershipView",
+    "ReplicaTaken",
     "RunFinished",
 ]
 
@@ -53,6 +54,21 @@ class Evicted(RuntimeError):
         )
         self.epoch = epoch
         self.reason = reason
+
+
+class ReplicaTaken(RuntimeError):
+    """Another process holds this replica id: a warm spare took it over (docs/live-membership.md
+    §6.3). Raised before this process says hello as the replica; the front door then makes it
+    a spare, waiting to take over a replica that is lost later."""
+
+    def __init__(self, replica: int, group_rank: int, owner: str) -> None:
+        super().__init__(
+            f"replica {replica} rank {group_rank} was taken over by another process "
+            f"(incarnation {owner}); this process becomes a warm spare"
+        )
+        self.replica = replica
+        self.group_rank = group_rank
+        self.owner = owner
 
 
 class CoordinatorLost(RuntimeError):
