@@ -5,7 +5,10 @@
 1. One run of ``lm-resiliency demo --live``'s job (replica 1 SIGKILLed in the forward of step
    8): kill -> first committed step of the survivors, split into detection, agreement, group
    rebuild and step redo (the redo's commit record carries the adopted change's timings);
-   kill -> full world again and the heal when the heal is built.
+   kill -> full world again and the heal when the heal is built. The same run again with one
+   warm spare (``launch --warm-spares 1``): kill -> full world again when a pre-started process
+   takes the replica's place instead of its torchrun's restart, split into the takeover (the
+   coordinator's assignment), the spare's registration as the joiner, and the heal.
 2. Healthy-path steps/s, live membership on (4 replica groups under the launcher, the rate
    from replica 0's commit times) vs off (the same 4 processes as one plain torchrun DDP +
    MTGS job), interleaved ``--pairs`` times; the ratio of the medians.
@@ -17,6 +20,7 @@ line. A measurement under load is a measurement of that load: read the load aver
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -27,9 +31,9 @@ from pathlib import Path
 
 from lm_resiliency.cli.demo_live import heal_available
 from lm_resiliency.demo.live_launch import LiveSpec, follow, start
-from lm_resiliency.demo.live_timeline import kill_timeline
+from lm_resiliency.demo.live_timeline import KillTimeline, kill_timeline
 from lm_resiliency.demo.live_worker import SAMPLES
-from lm_resiliency.live.runcheck import check_run, read_events
+from lm_resiliency.live.runcheck import LiveRun, check_run, read_events
 from lm_resiliency.testing.torchrun import start_torchrun
 
 _OFF = str(Path(__file__).with_name("_live_off_worker.py"))
@@ -52,7 +56,7 @@ def _on_rate(steps: int, warmup: int, work: Path) -> float:
         for r in read_events(work)
         if r["event"] == "mtgs.commit" and r["replica"] == 0
     }
-    return (steps - warmup) / (ts[steps] - ts[warmup])
+    return float((steps - warmup) / (ts[steps] - ts[warmup]))
 
 
 def _off_rate(steps: int, warmup: int, work: Path) -> float:
@@ -66,6 +70,32 @@ def _off_rate(steps: int, warmup: int, work: Path) -> float:
     if done.returncode != 0:
         raise SystemExit(f"off run failed:\n{done.brief()}")
     return float(json.loads(out.read_text())["steps_per_s"])
+
+
+def _kill_run(spec: LiveSpec, work: Path, heal: bool) -> tuple[LiveRun, KillTimeline]:
+    job = start(spec, work)
+    problem = follow(job, 600, heal_wait_s=30.0 if heal else 0.0)
+    if problem is not None:
+        raise SystemExit(f"kill run failed: {problem}\n{job.log_tail()}")
+    run = check_run(work, stream=(spec.seed, SAMPLES, spec.global_batch))
+    return run, kill_timeline(work, run, spec.kill_replicas[0], spec.kill_step)
+
+
+def _spare_split(work: Path, killed: int) -> dict[str, float | None]:
+    """The spare path after the kill: assigned, registered (``live.joining``), healed."""
+    t_kill = float((work / f"kill-{killed}").read_text())
+    recs = [r for r in read_events(work) if r["replica"] == killed]
+    take = next((r for r in recs if r["event"] == "live.takeover"), None)
+    if take is None:
+        return {"assigned": None, "registered": None, "healed": None}
+    pid = take["pid"]
+    joined = next(r for r in recs if r["pid"] == pid and r["event"] == "live.joining")
+    healed = next((r for r in recs if r["pid"] == pid and r["event"] == "live.healed"), None)
+    return {
+        "assigned": take["assigned_t"] - t_kill,
+        "registered": joined["ts_ns"] / 1e9 - t_kill,
+        "healed": None if healed is None else healed["ts_ns"] / 1e9 - t_kill,
+    }
 
 
 def main() -> int:
@@ -86,12 +116,12 @@ def main() -> int:
         kill_dir.mkdir()
         spec = LiveSpec(steps=args.steps, step_sleep_s=args.step_sleep_s)
         heal = heal_available()
-        job = start(spec, kill_dir)
-        problem = follow(job, 600, heal_wait_s=30.0 if heal else 0.0)
-        if problem is not None:
-            raise SystemExit(f"kill run failed: {problem}\n{job.log_tail()}")
-        run = check_run(kill_dir, stream=(spec.seed, SAMPLES, spec.global_batch))
-        tl = kill_timeline(kill_dir, run, spec.kill_replicas[0], spec.kill_step)
+        _, tl = _kill_run(spec, kill_dir, heal)
+        spare_dir = root / "spare"
+        spare_dir.mkdir()
+        spare_spec = dataclasses.replace(spec, warm_spares=1)
+        _, tl_spare = _kill_run(spare_spec, spare_dir, heal)
+        split = _spare_split(spare_dir, spec.kill_replicas[0])
         load_kill = _load()
         on: list[float] = []
         off: list[float] = []
@@ -110,7 +140,20 @@ def main() -> int:
         print(f"  {name:<14} " + ("n/a" if value is None else f"{value:7.3f} s"))
     if heal:
         full = "not reached" if tl.full_world_s is None else f"{tl.full_world_s:.3f} s"
-        print(f"kill -> full world again: {full}")
+        print(f"kill -> full world again: {full} (its torchrun restarts the replica)")
+        full_s = (
+            "not reached" if tl_spare.full_world_s is None else f"{tl_spare.full_world_s:.3f} s"
+        )
+        print(f"kill -> full world again, one warm spare: {full_s}   (first commit "
+              f"{tl_spare.first_commit_s:.3f} s)")  # fmt: skip
+        for name, value in split.items():
+            print(
+                f"  spare {name:<10} "
+                + ("n/a" if value is None else f"{value:7.3f} s after the kill")
+            )
+        if tl.full_world_s and tl_spare.full_world_s:
+            speedup = tl.full_world_s / tl_spare.full_world_s
+            print(f"  the spare is {speedup:.1f}x faster to a full world")
     else:
         print("kill -> full world again: not measured (heal not merged)")
         print("heal transfer rate: not measured (heal not merged)")
@@ -125,6 +168,9 @@ def main() -> int:
         first_commit_s=tl.first_commit_s,
         phases_s=tl.phases(),
         full_world_s=tl.full_world_s,
+        spare_full_world_s=tl_spare.full_world_s,
+        spare_first_commit_s=tl_spare.first_commit_s,
+        spare_split_s=split,
         heal="measured" if heal else "not measured (heal not merged)",
         on_steps_per_s=on,
         off_steps_per_s=off,

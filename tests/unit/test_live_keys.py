@@ -13,6 +13,7 @@ from lm_resiliency.live.keys import (
     Heartbeat,
     Join,
     Keys,
+    Takeover,
     decode,
     encode,
     encode_text,
@@ -37,6 +38,7 @@ _RECORDS = [
     Ack(inc="e", committed=10, applied=11, shadow_of=11, in_flight=11, pid=77),
     Ack(inc="e", committed=10),
     Join(inc="f", host="node-1", pid=5, slot_step=9),
+    Takeover(replica=1, inc="g" * 32, t=4.5),
 ]
 
 
@@ -55,6 +57,9 @@ def test_key_names_live_under_the_run() -> None:
     assert k.failure(2) == "lmr/live/run-1/fail/2"
     assert k.join(1, 1) == "lmr/live/run-1/join/1/1"
     assert k.group_prefix(4, 0) == "lmr/live/run-1/pg/4/g0/"
+    assert k.owner(1, 0) == "lmr/live/run-1/owner/1/0"
+    assert k.spares == "lmr/live/run-1/spares"
+    assert k.spare_take(2) == "lmr/live/run-1/spare/2/take"
 
 
 @pytest.mark.parametrize("run", ["", "a/b", "tab\there"])

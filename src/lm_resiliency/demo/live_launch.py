@@ -49,6 +49,9 @@ class LiveSpec:
     lease_s: float = 2.0
     stale_s: float = 1.0
     digest_every: int = 1
+    warm_spares: int = 0
+    """Pre-started spare processes (``launch --warm-spares``): one takes a killed replica's
+    place instead of its torchrun's restart (docs/live-membership.md §6.3)."""
     step_sleep_s: float = 0.3
     """Stands in for a real step's compute: the demo model's step takes milliseconds, so
     without it the survivors would finish before the killed replica's torchrun has restarted
@@ -79,7 +82,8 @@ class LiveSpec:
         return [
             sys.executable, "-m", "lm_resiliency.cli", "launch",
             "--replica-groups", str(self.replicas), "--nproc-per-group", "1",
-            "--term-grace-s", "10", *[f"--coordinator-arg={t}" for t in timing],
+            "--warm-spares", str(self.warm_spares), "--term-grace-s", "10",
+            *[f"--coordinator-arg={t}" for t in timing],
             "--", "-m", "lm_resiliency.demo.live_kill", "--steps", str(self.steps),
             "--global-batch", str(self.global_batch), "--seed", str(self.seed), *timing,
             "--reform-timeout-s", "60", "--coordinator-timeout-s", "30",

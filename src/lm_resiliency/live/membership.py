@@ -582,11 +582,18 @@ class Membership:
             value = self._get(key).decode() if self._ask(lambda s: s.check([key])) else ""
             if value == mine:
                 return
+            if not value and self._current_record().reason == "finished":
+                return  # registers as a joiner and is told the run is over (RunFinished)
             if not value.startswith(OPEN):
                 raise ReplicaTaken(self._replica, self._group_rank, value or "a member")
             if self._ask(lambda s, v=value: s.compare_set(key, v, mine)) == mine.encode():  # type: ignore[misc]
                 return
         raise ReplicaTaken(self._replica, self._group_rank, "other claimants")
+
+    def _current_record(self) -> EpochRecord:
+        current = int(self._ask(lambda s: s.get(self._keys.epoch)))
+        key = self._keys.epoch_record(current)
+        return decode(EpochRecord, self._get(key), key=key)
 
     def _wait_slice(self, deadline: float, what: str) -> None:
         if time.monotonic() > deadline:

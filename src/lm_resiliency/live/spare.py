@@ -133,7 +133,8 @@ class Spare:
         )
 
     def poll(self, timeout_s: float) -> Taken | None:
-        """Wait up to ``timeout_s`` for a poke, then look: a takeover, or ``None``."""
+        """Wait up to ``timeout_s`` for a poke, then look: a takeover, or ``None``; raises
+        ``RunFinished`` once the run is over."""
         assert self._liveness is not None, "connect() first"
         try:
             poked = self._liveness.wait(timeout_s)
@@ -152,7 +153,7 @@ class Spare:
                 inc = uuid.uuid4().hex
                 if self.ask(lambda s: s.compare_set(owner, value, inc)) == inc.encode():
                     return Taken(self.own, inc, self.spare, 0.0, time.time())
-        if poked:
+        if poked or self.ask(lambda s: s.check([keys.epoch])):
             current = int(self.ask(lambda s: s.get(keys.epoch)))
             key = keys.epoch_record(current)
             record = decode(EpochRecord, self.ask(lambda s: s.get(key)), key=key)
