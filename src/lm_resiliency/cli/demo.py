@@ -70,6 +70,13 @@ def register(sub: Any) -> None:
         "in the same processes",
     )
     p.add_argument(
+        "--warm-spares",
+        type=int,
+        default=0,
+        help="--live: pre-started spare processes; one takes the killed replica's place "
+        "instead of its torchrun's restart (default 0)",
+    )
+    p.add_argument(
         "--steps", type=int, default=None, help="optimizer steps (default 40; --live: 40)"
     )
     p.add_argument("--interval", type=int, default=5, help="GEMINI capture every N steps (5)")

@@ -31,7 +31,7 @@ from pathlib import Path
 from lm_resiliency.demo.live_launch import LiveSpec, follow, start
 from lm_resiliency.demo.live_timeline import kill_timeline
 from lm_resiliency.demo.live_worker import SAMPLES
-from lm_resiliency.live.runcheck import check_run
+from lm_resiliency.live.runcheck import check_run, read_events
 
 __all__ = ["run"]
 
@@ -54,16 +54,23 @@ def run(args: argparse.Namespace) -> int:
             kill_step=fault_step,
             kill_replicas=(args.fault_rank,),
             seed=args.seed,
+            warm_spares=args.warm_spares,
         )
     except ValueError as exc:
         print(f"lm-resiliency demo --live: {exc}", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="lmr-live-demo-"))
+    spares = (
+        f"  warm spares: {spec.warm_spares} (one takes the killed replica's place)\n"
+        if spec.warm_spares
+        else ""
+    )
     print(
         f"lm-resiliency demo --live: {spec.replicas} replica groups of 1 process under "
         f"lm-resiliency launch (Gloo, CPU), tiny GPT, {spec.steps} steps, global batch "
         f"{spec.global_batch}, the plain MTGS loop with live membership\n"
         f"  fault: SIGKILL replica {args.fault_rank} in the forward of step {fault_step}\n"
+        f"{spares}"
         f"files: {work} (event logs, launcher log) is removed at the end unless the demo fails"
         + (" (--keep-files keeps it)" if not args.keep_files else "")
     )
@@ -119,7 +126,9 @@ def _demo(spec: LiveSpec, work: Path, timeout_s: float) -> bool:
             "benchmarks/live.py measures the bare step)"
         )
     if timeline.full_world_s is not None:
-        print(f"full world again {timeline.full_world_s:.2f} s after the kill")
+        took = any(r["event"] == "live.takeover" for r in read_events(work))
+        how = "a warm spare took its place" if took else "its torchrun restarted it"
+        print(f"full world again {timeline.full_world_s:.2f} s after the kill ({how})")
     elif healing:
         print(f"full world again: not reached (replica {killed} was not admitted)")
     else:
