@@ -11,7 +11,12 @@
    coordinator's assignment), the spare's registration as the joiner, and the heal.
 2. Healthy-path steps/s, live membership on (4 replica groups under the launcher, the rate
    from replica 0's commit times) vs off (the same 4 processes as one plain torchrun DDP +
-   MTGS job), interleaved ``--pairs`` times; the ratio of the medians.
+   MTGS job), interleaved ``--pairs`` times; the ratio of the medians. The rate moves a few
+   percent between runs of either mode on a host whose cores the 4 workers saturate, so each
+   pair also runs both modes for ``--short-steps`` steps and reports the CPU time per step of
+   the whole process tree (launcher, coordinator, torchrun agents, workers; ``getrusage`` of
+   the waited-for children) as the difference between the long and the short run, which
+   leaves out start-up and shutdown: live membership's cost per step in CPU.
 
 Prints the targets next to the measurements with the machine's load average, then one JSON
 line. A measurement under load is a measurement of that load: read the load average.
@@ -23,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -98,6 +104,18 @@ def _spare_split(work: Path, killed: int) -> dict[str, float | None]:
     }
 
 
+def _children_cpu_s() -> float:
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def _timed(fn, steps: int, warmup: int, work: Path) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(steps/s, CPU seconds of the job's whole process tree)."""
+    cpu0 = _children_cpu_s()
+    rate = fn(steps, warmup, work)
+    return rate, _children_cpu_s() - cpu0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # The kill run: the bare demo step (no stand-in compute, unlike the demo's 0.3 s, which
@@ -108,6 +126,7 @@ def main() -> int:
     p.add_argument("--healthy-steps", type=int, default=400)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--short-steps", type=int, default=100)
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="lmr-bench-live-"))
     result: dict[str, object] = {"load_before": _load()}
@@ -125,11 +144,17 @@ def main() -> int:
         load_kill = _load()
         on: list[float] = []
         off: list[float] = []
+        cpu: dict[str, list[float]] = {"on": [], "off": []}
+        long_n, short_n = args.healthy_steps, args.short_steps
         for i in range(args.pairs):
             for mode, rates, fn in (("on", on, _on_rate), ("off", off, _off_rate)):
                 d = root / f"{mode}-{i}"
                 d.mkdir()
-                rates.append(fn(args.healthy_steps, args.warmup, d))
+                rate, cpu_long = _timed(fn, long_n, args.warmup, d)
+                rates.append(rate)
+                (d / "short").mkdir()
+                _, cpu_short = _timed(fn, short_n, args.warmup, d / "short")
+                cpu[mode].append((cpu_long - cpu_short) / (long_n - short_n))
         load_healthy = _load()
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -164,6 +189,15 @@ def main() -> int:
         f"live membership cost: {cost:+.1%} of steps/s (target <= 2%; on/off = {ratio:.3f}; "
         f"load {load_healthy})"
     )
+    cpu_on, cpu_off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
+    print(f"CPU per step, whole process tree, live on:  "
+          f"{', '.join(f'{1e3 * c:.1f}' for c in cpu['on'])} ms")  # fmt: skip
+    print(f"CPU per step, whole process tree, live off: "
+          f"{', '.join(f'{1e3 * c:.1f}' for c in cpu['off'])} ms")  # fmt: skip
+    cpu_cost = cpu_on / cpu_off - 1.0
+    print(f"live membership cost in CPU per step: {cpu_cost:+.1%} (target <= 2%; medians "
+          f"{1e3 * cpu_on:.1f} vs {1e3 * cpu_off:.1f} ms, runs of {long_n} minus {short_n} "
+          "steps)")  # fmt: skip
     result.update(
         first_commit_s=tl.first_commit_s,
         phases_s=tl.phases(),
@@ -175,6 +209,9 @@ def main() -> int:
         on_steps_per_s=on,
         off_steps_per_s=off,
         cost=cost,
+        cpu_per_step_on_s=cpu["on"],
+        cpu_per_step_off_s=cpu["off"],
+        cpu_cost=cpu_cost,
         load_kill=load_kill,
         load_healthy=load_healthy,
     )

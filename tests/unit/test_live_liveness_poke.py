@@ -52,3 +52,32 @@ def test_a_spare_sees_the_coordinator_close_and_the_coordinator_sees_the_spare_g
     with pytest.raises(ConnectionError, match="closed the liveness connection"):
         other.wait(5.0)
     other.close()
+
+
+def test_a_member_sees_each_poke_once_and_still_sees_the_coordinator_close() -> None:
+    # A member reads the failure flag only when poked; the heartbeat thread's check for EOF
+    # must not hide a poke (it used to peek), and a pending poke must not hide the EOF.
+    server = LivenessServer("127.0.0.1")
+    client = LivenessClient("127.0.0.1", server.port, replica=0, group_rank=0, inc="m" * 32,
+                            timeout_s=5.0)  # fmt: skip
+    try:
+        _hello(server)
+        assert client.take_pokes() is False
+        assert server.poke("m" * 32)
+        deadline = time.monotonic() + 5.0
+        while not client.closed_by_peer() and time.monotonic() < deadline:
+            if client.take_pokes():  # the EOF check drained it; the poke is kept for this
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the poke was never seen")
+        assert client.take_pokes() is False  # seen once
+        server.poke("m" * 32)
+        server.close()
+        deadline = time.monotonic() + 5.0
+        while not client.closed_by_peer():
+            assert time.monotonic() < deadline, "the coordinator's close was never seen"
+            time.sleep(0.01)
+        assert client.take_pokes() is True  # the poke before the close is not lost either
+    finally:
+        client.close()

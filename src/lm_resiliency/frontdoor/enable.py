@@ -40,7 +40,7 @@ from lm_resiliency.integrations.base import Adapter, DurableCandidates, Unbind
 from lm_resiliency.integrations.registry import adapter_for
 from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.live.spare import SPARE_ENV
-from lm_resiliency.live.view import CoordinatorLost, Evicted, RunFinished
+from lm_resiliency.live.view import CoordinatorLost, Evicted, ReplicaTaken, RunFinished
 from lm_resiliency.rng import restore_rng as restore_now
 from lm_resiliency.transactions.mtgs_config import MTGSConfig
 
@@ -298,7 +298,7 @@ def _leave_if_membership_lost(session: LiveSession) -> None:
     """Inside an ``except``: an ``Evicted``/``CoordinatorLost`` exits the process (76/75), a
     ``RunFinished`` (restarted after every member finished) exits 0."""
     exc = sys.exc_info()[1]
-    if isinstance(exc, (Evicted, CoordinatorLost)):
+    if isinstance(exc, (Evicted, CoordinatorLost, ReplicaTaken)):
         leave_process(exc, replica=session.replica, cleanup=None, cleanup_timeout_s=0)
     if isinstance(exc, RunFinished):
         finished_process(exc, replica=session.replica)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
-from lm_resiliency.live.view import CoordinatorLost, Evicted, RunFinished
+from lm_resiliency.live.view import CoordinatorLost, Evicted, ReplicaTaken, RunFinished
 
 __all__ = [
     "EXIT_COORDINATOR_LOST",
@@ -43,24 +43,31 @@ __all__ = [
 EXIT_COORDINATOR_LOST = 75
 """Exit status of a process whose coordinator was lost (falls back to the whole-job restart)."""
 EXIT_EVICTED = 76
-"""Exit status of a replica evicted from the membership (restarted as a joiner)."""
+"""Exit status of a replica evicted from the membership (restarted as a joiner), or of a process
+whose claim on a replica another process took (restarted, it waits as a spare)."""
 
 
 def leave_process(
-    exc: Evicted | CoordinatorLost,
+    exc: Evicted | CoordinatorLost | ReplicaTaken,
     *,
     replica: int,
     cleanup: Callable[[], None] | None,
     cleanup_timeout_s: float,
 ) -> NoReturn:
     """Log the one line for ``exc``, run ``cleanup`` (bounded) and exit with its code."""
-    code = EXIT_EVICTED if isinstance(exc, Evicted) else EXIT_COORDINATOR_LOST
+    code = EXIT_EVICTED if isinstance(exc, (Evicted, ReplicaTaken)) else EXIT_COORDINATOR_LOST
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, Evicted):
         line = (
             f"live membership: replica {replica} (pid {os.getpid()}) was evicted at epoch "
             f"{exc.epoch} ({exc.reason}); nothing it sends is accepted any more; exiting with "
             f"code {code} so that its torchrun restarts it as a joining replica"
+        )
+    elif isinstance(exc, ReplicaTaken):
+        # Its claim was reopened (it was too slow) and another process holds the replica.
+        line = (
+            f"live membership: pid {os.getpid()}: {exc}; exiting with code {code} so that its "
+            "torchrun starts it again (it waits as a spare)"
         )
     else:
         body = text.removeprefix("live membership: ")

@@ -477,6 +477,9 @@ class Coordinator:
         flag = encode_text(Failure(by="coordinator", reason=cause, t=time.time()))
         for epoch in self._live_epochs():
             self.store.compare_set(self.keys.failure(epoch), "", flag)
+        for member in self._ranks.values():  # they read the flag when poked (liveness.py)
+            if not member.dead:
+                self.liveness.poke(member.inc)
 
     # -- agreement -----------------------------------------------------------------------
 

@@ -3,10 +3,13 @@
 Every worker keeps one TCP connection to the coordinator's liveness port and sends one hello
 line (``{"replica", "group_rank", "inc", "pid"}``) on it, then nothing. The kernel closes the
 connection when the process dies, however it dies, so the coordinator sees EOF without waiting
-for a lease. The other way round, the worker sees EOF when the coordinator dies. A warm spare
-(replica ``-1``, group rank its spare id) also waits on it: the coordinator sends it one byte
-(:meth:`LivenessServer.poke`) when it has something for it to read (docs/live-membership.md
-§6.3), so an idle spare costs no request.
+for a lease. The other way round, the worker sees EOF when the coordinator dies.
+
+The coordinator also sends bytes the other way (:meth:`LivenessServer.poke`): one when it has
+something for that process to read. Members are poked when their epoch fails, so they read
+the failure flag only then (:meth:`LivenessClient.take_pokes`, a non-blocking ``select``)
+instead of with a store request at every collective; a warm spare (replica ``-1``, group rank
+its spare id) waits on the socket for its assignment (docs/live-membership.md §6.3).
 
 :class:`LivenessServer` is polled by the coordinator's decision loop (``poll`` doubles as the
 loop's sleep, so an EOF wakes it at once); :class:`LivenessClient` is owned by one worker thread.
@@ -20,6 +23,7 @@ import os
 import select
 import selectors
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -173,40 +177,54 @@ class LivenessClient:
         self._sock.sendall(json.dumps(hello).encode() + b"\n")
         self._sock.setblocking(False)
         self._closed = False
+        self._lock = threading.Lock()
+        self._poked = False
+        self._eof = False
+
+    def _drain(self, timeout_s: float = 0.0) -> None:
+        """Read what the coordinator sent (pokes) and whether it closed; under the lock."""
+        if self._closed or self._eof:
+            return
+        readable, _, _ = select.select([self._sock], [], [], max(0.0, timeout_s))
+        while readable:
+            try:
+                data = self._sock.recv(_MAX_HELLO_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._eof = True  # a reset is the coordinator gone too
+                return
+            if not data:
+                self._eof = True
+                return
+            self._poked = True
+            readable, _, _ = select.select([self._sock], [], [], 0)
 
     def closed_by_peer(self) -> bool:
         """Whether the coordinator closed the connection (it died or shut down). Never blocks."""
-        if self._closed:
-            return True
-        readable, _, _ = select.select([self._sock], [], [], 0)
-        if not readable:
-            return False
-        try:
-            return self._sock.recv(1, socket.MSG_PEEK) == b""
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
+        with self._lock:
+            self._drain()
+            return self._closed or self._eof
+
+    def take_pokes(self) -> bool:
+        """Whether the coordinator poked this process since the last call (never blocks).
+        Thread-safe: one caller sees each poke."""
+        with self._lock:
+            self._drain()
+            poked, self._poked = self._poked, False
+            return poked
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a poke; True when one (or more) came, and they are
         read. Raises ``ConnectionError`` when the coordinator closed the connection."""
         if self._closed:
             raise ConnectionError("the liveness connection is closed")
-        readable, _, _ = select.select([self._sock], [], [], max(0.0, timeout_s))
-        if not readable:
-            return False
-        try:
-            data = self._sock.recv(_MAX_HELLO_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as exc:
-            raise ConnectionError(
-                f"the live coordinator reset the liveness connection ({exc})"
-            ) from None
-        if not data:
-            raise ConnectionError("the live coordinator closed the liveness connection")
-        return True
+        with self._lock:
+            self._drain(timeout_s)
+            poked, self._poked = self._poked, False
+            if self._eof:
+                raise ConnectionError("the live coordinator closed the liveness connection")
+            return poked
 
     def close(self) -> None:
         if not self._closed:

@@ -265,10 +265,14 @@ class Membership:
             self._lease.mark_lost(why)
 
     def failed(self) -> str | None:
+        """The failure flag of this rank's epoch, if set. No store request unless the
+        coordinator poked this process (it does when it flags a change): the cross-replica
+        group's watcher calls it at every collective. The heartbeat thread also reads the
+        flag at every beat."""
         self._raise_pending()
         lease = self._running_lease()
         cause = lease.failed()
-        if cause is None:
+        if cause is None and self._liveness is not None and self._liveness.take_pokes():
             epoch = self._epoch  # one value: the cause is cached for the epoch it was read for
             cause = self._ask(lambda s: failure_cause(s, self._keys, epoch))
             if cause is not None:
