@@ -95,6 +95,16 @@ def test_a_warm_spare_takes_over_a_killed_replica(tmp_path: Path) -> None:
     assert len(spare_lines) == 2, (spare_lines, log[-4000:])
     assert int(spare_lines[1][1]) not in kill.pids[1], (spare_lines, kill.pids)
     (h,) = set(kill.healed.values())
+    # A healthy step makes no store request on the training and watcher threads: the watcher
+    # reads the failure flag only when the coordinator pokes (liveness.py). Between the
+    # heal and the end every replica's count stands still.
+    for r in (0, 2, 3):
+        counts = {c["step"]: c["requests"] for c in records
+                  if c["event"] == "mtgs.commit" and c["replica"] == r}  # fmt: skip
+        calm = [counts[s] for s in range(h + 2, _STEPS)]
+        assert len(set(calm)) == 1, (r, {s: counts[s] for s in range(h + 2, _STEPS)})
+        early = [counts[s] for s in range(2, _KILL_STEP)]
+        assert len(set(early)) == 1, (r, early)
     first = kill.first_commit_time(_KILL_STEP) - t_kill
     full = kill.world_full_time() - t_kill
     print(f"\nwarm spare: kill -> first committed step of the survivors {first:.2f} s; "

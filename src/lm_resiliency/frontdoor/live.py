@@ -458,6 +458,9 @@ class LiveSession:
             "step": result.step,
             "epoch": epoch,
             "members": list(members),
+            # Store requests of the training and watcher threads so far (the heartbeat
+            # thread's are apart): a healthy step makes none (tests/faults/test_live_spare.py).
+            "requests": m.requests,
         }
         if self._first is not None:  # this process's first commit: where it started from
             fields["first"], self._first = self._first, None

@@ -143,6 +143,9 @@ class Membership:
         self.joining = False
         """True when this process registered after the run began (it waits for admission)."""
         self._registered_at = 0
+        self.requests = 0
+        """Store requests made through :meth:`_ask` (the training and watcher threads; the
+        heartbeat thread's own client is not counted)."""
         self.last_change: Change | None = None
         self._closed = False
         self._liveness: LivenessClient | None = None
@@ -642,6 +645,7 @@ class Membership:
     def _ask(self, request: Callable[[dist.Store], _T]) -> _T:
         """Run one request on this thread's client; a store error means the coordinator is
         gone (every request is bounded by ``coordinator_timeout_s``)."""
+        self.requests += 1
         try:
             return self._requests.call(request, self.config.coordinator_timeout_s)
         except TimeoutError as exc:
