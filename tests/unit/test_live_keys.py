@@ -14,9 +14,11 @@ from lm_resiliency.live.keys import (
     Join,
     Keys,
     Takeover,
+    beat_value,
     decode,
     encode,
     encode_text,
+    parse_beat,
 )
 
 _RECORDS = [
@@ -102,3 +104,11 @@ def test_malformed_records_name_the_key_and_field(kind, raw, fragment) -> None:
     with pytest.raises(ValueError) as err:
         decode(kind, raw, key="hb/0/0")
     assert fragment in str(err.value)
+
+
+def test_the_coordinator_beat_carries_the_published_epoch() -> None:
+    assert parse_beat(beat_value(7, 3).encode()) == 3
+    assert parse_beat(beat_value(1, -1).encode()) == -1
+    assert parse_beat(b"5") == -1  # a bare counter: no epoch published
+    with pytest.raises(ValueError, match="coord/beat value"):
+        parse_beat(b"5 x")

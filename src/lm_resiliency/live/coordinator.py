@@ -71,6 +71,7 @@ from lm_resiliency.live.keys import (
     Join,
     Keys,
     Takeover,
+    beat_value,
     decode,
     encode_text,
 )
@@ -223,7 +224,8 @@ class Coordinator:
         self.takeovers: list[tuple[int, int, float]] = []
         """(replica, spare id, wall-clock time) of every assignment made."""
         store.set(keys.coord, encode_text(CoordRecord(generation, os.getpid(), self.liveness.port)))
-        store.add(keys.beat, 1)
+        self._beats = 1
+        store.set(keys.beat, beat_value(self._beats, self.epoch))
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -242,7 +244,7 @@ class Coordinator:
         due = t0 >= self._next_read
         if due:
             self._next_read = t0 + self.config.heartbeat_s / 2
-            self.store.add(self.keys.beat, 1)
+            self._beat()
         for event in events:
             self._on_liveness(event)
         if self.epoch < 0:
@@ -266,6 +268,12 @@ class Coordinator:
             elif self.admission is not None:
                 self._check_admission()
         self._costs.append(time.perf_counter() - t0)
+
+    def _beat(self) -> None:
+        """``coord/beat``: the sign that the coordinator lives, with the published epoch (a
+        worker's heartbeat reads both in one request)."""
+        self._beats += 1
+        self.store.set(self.keys.beat, beat_value(self._beats, self.epoch))
 
     def tick_costs_s(self) -> list[float]:
         """The measured cost of each loop iteration (its wait on the sockets excluded)."""
@@ -592,6 +600,7 @@ class Coordinator:
         self.store.set(self.keys.epoch_record(record.epoch), encode_text(record))
         self.store.set(self.keys.epoch, str(record.epoch))
         self.epoch, self.members = record.epoch, record.members
+        self._beat()  # the members' heartbeats see the new epoch at their next beat
         self._floor = record.epoch if floor is None else floor
         self._retired.update(m.inc for m in self._ranks.values())
         now = time.monotonic()

@@ -8,7 +8,9 @@ the key, never a half-read value.
 key                       writer            value
 ========================  ================  ===============================================
 ``coord``                 coordinator       :class:`CoordRecord`, once at start
-``coord/beat``            coordinator       a counter, ``add``-ed every tick
+``coord/beat``            coordinator       ``"<n> <epoch>"``: a counter set every
+                                            ``heartbeat_s/2`` with the published epoch
+                                            (:func:`parse_beat`), and at every publication
 ``epoch``                 coordinator       the current epoch number (written after
                                             ``epoch/<E>``)
 ``epoch/<E>``             coordinator       :class:`EpochRecord`
@@ -49,9 +51,11 @@ __all__ = [
     "Join",
     "Keys",
     "Takeover",
+    "beat_value",
     "decode",
     "encode",
     "encode_text",
+    "parse_beat",
 ]
 
 
@@ -227,6 +231,20 @@ class Takeover:
     inc: str
     t: float
     """Wall-clock time of the assignment."""
+
+
+def beat_value(n: int, epoch: int) -> str:
+    """The coordinator's ``coord/beat`` value: its beat counter and the published epoch."""
+    return f"{n} {epoch}"
+
+
+def parse_beat(raw: bytes) -> int:
+    """The published epoch in a ``coord/beat`` value (-1 before epoch 0)."""
+    _, _, epoch = raw.partition(b" ")
+    try:
+        return int(epoch) if epoch else -1
+    except ValueError:
+        raise ValueError(f"coord/beat value {raw[:40]!r} is not '<n> <epoch>'") from None
 
 
 OPEN = "open:"

@@ -27,7 +27,15 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from lm_resiliency.live.config import LiveConfig
-from lm_resiliency.live.keys import EpochRecord, Failure, Heartbeat, Keys, decode, encode_text
+from lm_resiliency.live.keys import (
+    EpochRecord,
+    Failure,
+    Heartbeat,
+    Keys,
+    decode,
+    encode_text,
+    parse_beat,
+)
 from lm_resiliency.live.liveness import LivenessClient
 from lm_resiliency.live.view import CoordinatorLost
 
@@ -206,10 +214,9 @@ class Lease:
             )
         if self._liveness.closed_by_peer():
             self.mark_lost(f"coordinator {ident.address} closed the liveness connection")
-        cause = failure_cause(store, keys, epoch)
-        if cause is not None:
-            self.note_failed(epoch, cause)
-        if not joining and store.check([keys.epoch]) and int(store.get(keys.epoch)) > epoch:
+        # No read of the failure flag: the coordinator pokes every member when it flags a
+        # change, and Membership.failed() reads it then. Two requests per beat in all.
+        if not joining and parse_beat(beat) > epoch:
             key = keys.epoch_record(epoch + 1)
             record = decode(EpochRecord, store.get(key), key=key)
             if not record.admits(ident.replica, ident.group_rank, ident.inc):
