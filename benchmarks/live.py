@@ -17,6 +17,9 @@
    the whole process tree (launcher, coordinator, torchrun agents, workers; ``getrusage`` of
    the waited-for children) as the difference between the long and the short run, which
    leaves out start-up and shutdown: live membership's cost per step in CPU.
+3. The heal transfer rate (``benchmarks/live_heal.py``'s measurement, ``--heal-mib`` MiB,
+   2 ranks): the heal vs raw Gloo send/recv of the same bytes, and vs the same receive into
+   fresh memory (what a joiner has).
 
 Prints the targets next to the measurements with the machine's load average, then one JSON
 line. A measurement under load is a measurement of that load: read the load average.
@@ -41,6 +44,9 @@ from lm_resiliency.demo.live_timeline import KillTimeline, kill_timeline
 from lm_resiliency.demo.live_worker import SAMPLES
 from lm_resiliency.live.runcheck import LiveRun, check_run, read_events
 from lm_resiliency.testing.torchrun import start_torchrun
+
+sys.path.insert(0, str(Path(__file__).parent))
+from live_heal import measure as measure_heal  # the benchmark beside this one
 
 _OFF = str(Path(__file__).with_name("_live_off_worker.py"))
 
@@ -127,6 +133,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--short-steps", type=int, default=100)
+    p.add_argument("--heal-mib", type=int, default=64)
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="lmr-bench-live-"))
     result: dict[str, object] = {"load_before": _load()}
@@ -156,6 +163,7 @@ def main() -> int:
                 _, cpu_short = _timed(fn, short_n, args.warmup, d / "short")
                 cpu[mode].append((cpu_long - cpu_short) / (long_n - short_n))
         load_healthy = _load()
+        (heal_row,) = measure_heal([args.heal_mib], 3)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     cost = 1.0 - statistics.median(on) / statistics.median(off)
@@ -198,7 +206,12 @@ def main() -> int:
     print(f"live membership cost in CPU per step: {cpu_cost:+.1%} (target <= 2%; medians "
           f"{1e3 * cpu_on:.1f} vs {1e3 * cpu_off:.1f} ms, runs of {long_n} minus {short_n} "
           "steps)")  # fmt: skip
+    print(f"heal transfer, {args.heal_mib} MiB: {heal_row['heal_gbps']:.2f} GB/s = "
+          f"{heal_row['ratio']:.2f}x raw Gloo send/recv ({heal_row['raw_gbps']:.2f} GB/s; target "
+          f">= 0.8x), {heal_row['ratio_fresh']:.2f}x the same receive into fresh memory "
+          f"({heal_row['raw_fresh_gbps']:.2f} GB/s)")  # fmt: skip
     result.update(
+        heal_transfer=heal_row,
         first_commit_s=tl.first_commit_s,
         phases_s=tl.phases(),
         full_world_s=tl.full_world_s,

@@ -132,27 +132,15 @@ def _rank(rank: int, world: int, sizes_mib: list[int], repeats: int) -> list[dic
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+def measure(sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
+    """One row per state size: raw, fresh, heal and wire rates and their ratios (2 ranks)."""
     per_rank = run_distributed(
-        _rank, 2, args=(args.sizes_mib, args.repeats), timeout_s=3600, pg_timeout_s=600
+        _rank, 2, args=(sizes_mib, repeats), timeout_s=3600, pg_timeout_s=600
     )
 
     def median_s(a: list[float], b: list[float]) -> float:
         return statistics.median(max(x, y) for x, y in zip(a, b, strict=True))
 
-    print(
-        f"heal transfer vs raw Gloo send/recv, one direction, 2 ranks on loopback, "
-        f"{os.cpu_count()} CPUs, median of {args.repeats}, "
-        f"chunk {REPLICATION_CHUNK_BYTES // MIB} MiB"
-    )
-    print(
-        f"{'state':>9} {'raw':>6} {'fresh':>6} {'heal':>6} {'wire':>6} (GB/s) {'heal/raw':>8} "
-        f"{'heal/fresh':>10} {'load+digest':>12}"
-    )
     results = []
     for r0, r1 in zip(*per_rank, strict=True):
         nbytes = r0["size_mib"] * MIB
@@ -172,6 +160,26 @@ def main() -> None:
             "joiner_load_and_digest_s": round(load, 4),
         }
         results.append(row)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    results = measure(args.sizes_mib, args.repeats)
+    print(
+        f"heal transfer vs raw Gloo send/recv, one direction, 2 ranks on loopback, "
+        f"{os.cpu_count()} CPUs, median of {args.repeats}, "
+        f"chunk {REPLICATION_CHUNK_BYTES // MIB} MiB"
+    )
+    print(
+        f"{'state':>9} {'raw':>6} {'fresh':>6} {'heal':>6} {'wire':>6} (GB/s) {'heal/raw':>8} "
+        f"{'heal/fresh':>10} {'load+digest':>12}"
+    )
+    for row in results:
+        load = row["joiner_load_and_digest_s"]
         print(
             f"{row['size_mib']:>5} MiB {row['raw_gbps']:>6.2f} {row['raw_fresh_gbps']:>6.2f} "
             f"{row['heal_gbps']:>6.2f} {row['transport_gbps']:>6.2f}        "

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from lm_resiliency._proctree import alive as _alive
 from lm_resiliency.frontdoor.live_exit import EXIT_COORDINATOR_LOST
 from lm_resiliency.live.runcheck import LiveRun, check_run
 
@@ -50,14 +51,6 @@ def _commits(run_dir: Path, replica: int) -> list[dict[str, Any]]:
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
     return [r for r in records if r["event"] == "mtgs.commit"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _launch(run_dir: Path, *, kill_coordinator: bool) -> tuple[LiveRun, str]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from lm_resiliency._proctree import alive as _alive
 from lm_resiliency.live.runcheck import LiveRun, check_run
 
 pytestmark = pytest.mark.slow
@@ -104,14 +105,6 @@ def _ended(run_dir: Path, replica: int) -> bool:
     """Whether the replica's restart was healed, or told that every member had finished."""
     text = (run_dir / f"events-replica-{replica}-rank-0.jsonl").read_text()
     return '"event": "live.healed"' in text or '"event": "live.run_finished"' in text
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _check_kill(run: LiveRun, run_dir: Path, killed: set[int]) -> None:

@@ -13,12 +13,10 @@ with the j the kill run recorded.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from live_runs import check_rejoined, launch
 
 from lm_resiliency.live.runcheck import LiveRun, check_run
 
@@ -26,54 +24,14 @@ pytestmark = pytest.mark.slow
 
 _STEPS = 40
 _KILL_STEP = 4
-_B, _SAMPLES, _SEED = 16, 512, 0
-_TIMING = ["--heartbeat-s", "0.2", "--lease-s", "6", "--stale-s", "3", "--reform-timeout-s", "60",
-           "--coordinator-timeout-s", "30", "--step-sleep-s", "0.4"]  # fmt: skip
-_COORD = ["--coordinator-arg=--heartbeat-s=0.2", "--coordinator-arg=--lease-s=6",
-          "--coordinator-arg=--stale-s=3"]  # fmt: skip
-_WORKER = str(Path(__file__).with_name("live_kill_worker.py"))
 
 
 def _launch(run_dir: Path, *, kill: str = "", faults: str = "") -> LiveRun:
-    env = dict(os.environ, LMR_LIVE_EVENTS=str(run_dir), LIVE_KILL_REPLICAS="1" if kill else "")
-    if kill:
-        env["LM_RESILIENCY_TEST_KILL"] = f"{kill}@{_KILL_STEP}"
-    if faults:
-        env["LM_RESILIENCY_FAULTS"] = "1"
-    cmd = [sys.executable, "-m", "lm_resiliency.cli", "launch", "--replica-groups", "4",
-           "--nproc-per-group", "1", "--term-grace-s", "10", *_COORD, "--", _WORKER,
-           "--steps", str(_STEPS), "--global-batch", str(_B), *_TIMING]  # fmt: skip
-    if faults:
-        cmd += ["--faults", faults]
-    with (run_dir / "launcher.log").open("wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=600)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    log = (run_dir / "launcher.log").read_text()[-4000:]
-    assert rc == 0, f"launcher exited {rc}: {log}"
-    run = check_run(run_dir, stream=(_SEED, _SAMPLES, _B))
-    assert [p for ps in run.pids.values() for p in ps if _alive(p)] == [], "a worker outlived it"
-    assert set(run.survivors) == {0, 1, 2, 3}, (run.survivors, log)
-    assert run.rejoined == (1,), (run.rejoined, run.pids)
-    assert len(run.pids[1]) == 2, run.pids
-    (healed_at,) = set(run.healed.values())
-    for step in range(1, _STEPS + 1):
-        want = {0, 1, 2, 3} if step < _KILL_STEP or step > healed_at else {0, 2, 3}
-        assert set(run.members_at(step)) == want, (step, run.members_at(step))
+    run, log = launch(run_dir, steps=_STEPS, kill=f"{kill}@{_KILL_STEP}" if kill else "",
+                      faults=faults)  # fmt: skip
+    check_rejoined(run, log, steps=_STEPS, kill_step=_KILL_STEP)
     assert run.world_full, "no live.world_full record"
     return run
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.mark.timeout(1500)

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from lm_resiliency._proctree import alive as _alive
 from lm_resiliency.frontdoor.live_exit import EXIT_EVICTED
 from lm_resiliency.live.runcheck import check_run, read_events
 
@@ -54,14 +55,6 @@ def _records(run_dir: Path, replica: int) -> list[dict[str, Any]]:
 
 def _commits(run_dir: Path, replica: int) -> list[dict[str, Any]]:
     return [r for r in _records(run_dir, replica) if r["event"] == "mtgs.commit"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _wait(proc: subprocess.Popen[bytes], log: Path, what: str, done: Any, limit_s: float) -> None:

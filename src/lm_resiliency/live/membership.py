@@ -64,7 +64,7 @@ from lm_resiliency.live.view import (
     RunFinished,
 )
 
-__all__ = ["Change", "Membership"]
+__all__ = ["Change", "Membership", "coordinator_address"]
 
 _T = TypeVar("_T")
 
@@ -175,17 +175,11 @@ class Membership:
         ``replica``/``incarnation``: a warm spare's takeover (else ``LMR_REPLICA_GROUP``).
         """
         env = os.environ if env is None else env
-        address = env.get("LMR_LIVE_COORDINATOR", "")
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(
-                f"LMR_LIVE_COORDINATOR={address!r} must be host:port of the live coordinator "
-                "(lm-resiliency launch sets it), e.g. 127.0.0.1:29600"
-            )
+        host, port = coordinator_address(env)
         return cls(
             config or LiveConfig(),
             host=host,
-            port=int(port),
+            port=port,
             run=env.get("LMR_LIVE_RUN", ""),
             replica=_env_int(env, "LMR_REPLICA_GROUP", None) if replica is None else replica,
             replicas=_env_int(env, "LMR_REPLICA_GROUPS", None),
@@ -662,6 +656,18 @@ class Membership:
                 f"live membership: coordinator {self._address} unreachable ({brief(exc)}); falling "
                 "back to whole-job restart with memory recovery"
             ) from exc
+
+
+def coordinator_address(env: Mapping[str, str]) -> tuple[str, int]:
+    """``LMR_LIVE_COORDINATOR`` as (host, port); ``ConfigError`` naming the fix."""
+    address = env.get("LMR_LIVE_COORDINATOR", "")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(
+            f"LMR_LIVE_COORDINATOR={address!r} must be host:port of the live coordinator "
+            "(lm-resiliency launch sets it), e.g. 127.0.0.1:29600"
+        )
+    return host, int(port)
 
 
 def _raise_if_finished(record: EpochRecord) -> None:

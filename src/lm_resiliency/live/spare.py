@@ -34,12 +34,12 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from lm_resiliency.errors import ConfigError
 from lm_resiliency.live.bounded import Requester
 from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.live.keys import OPEN, CoordRecord, EpochRecord, Keys, Takeover, decode
 from lm_resiliency.live.lease import StoreErrors, brief
 from lm_resiliency.live.liveness import LivenessClient
+from lm_resiliency.live.membership import coordinator_address
 from lm_resiliency.live.view import CoordinatorLost, RunFinished
 
 __all__ = ["SPARE_ENV", "Spare", "Taken", "wait_for_takeover"]
@@ -73,17 +73,11 @@ class Spare:
     """One waiting spare's connection to the coordinator (:func:`wait_for_takeover` uses it)."""
 
     def __init__(self, config: LiveConfig, env: Mapping[str, str], *, own: int | None) -> None:
-        address = env.get("LMR_LIVE_COORDINATOR", "")
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(
-                f"LMR_LIVE_COORDINATOR={address!r} must be host:port of the live coordinator "
-                "(lm-resiliency launch sets it), e.g. 127.0.0.1:29600"
-            )
+        host, port = coordinator_address(env)
         self.config = config
         self.keys = Keys(env.get("LMR_LIVE_RUN", ""))
         self.own = own
-        self._host, self._port, self._address = host, int(port), address
+        self._host, self._port, self._address = host, port, f"{host}:{port}"
         self._requests = Requester(self._client, "lmr-live-spare-requests")
         self._liveness: LivenessClient | None = None
         self.spare = -1
