@@ -15,8 +15,9 @@ it uses one that is already running (the multi-node path) and starts none.
 Every worker gets ``LMR_LIVE_COORDINATOR=host:port``, ``LMR_LIVE_RUN``, ``LMR_REPLICA_GROUP``
 (0..R-1) and ``LMR_REPLICA_GROUPS`` (R) on top of torchrun's ``RANK``/``WORLD_SIZE``/
 ``LOCAL_RANK``, which count inside the group. A warm spare (``--warm-spares``, N=1 only) is one
-more torchrun of one process with ``LMR_LIVE_SPARE=1`` and ``LMR_LIVE_SPARE_ID`` instead of a
-replica id.
+more torchrun of one process with ``LMR_LIVE_SPARE=1`` and ``LMR_LIVE_SPARE_ID`` (the launcher's
+label for it; the spare's id in the protocol comes from the coordinator) instead of a replica
+id; it waits inside ``enable_resiliency`` to take over a lost replica (``live/spare.py``).
 
 Like torchrun with several processes per node, the launcher sets ``OMP_NUM_THREADS=1`` for every
 worker when the caller has not set it: its R·N workers (and spares) share one host, and torch's

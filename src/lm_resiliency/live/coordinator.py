@@ -32,8 +32,9 @@ once), then:
    still be in epoch E (stepping towards h) while E+1 is published, so during an admission
    ``fail/``, ``ack/`` and heartbeats of epochs E and E+1 both count.
 
-Vacancies and warm spares (docs/live-membership.md §6.3): when a published epoch drops a
-replica, each of its ranks' ``owner/<r>/<g>`` is set to ``open:<k>`` before the record. A
+Vacancies and warm spares (docs/live-membership.md §6.3): when a member rank is seen dead,
+and for every rank of a replica a published epoch drops (before the record), its
+``owner/<r>/<g>`` is set to ``open:<k>``. A
 process may register as that rank only after swapping its own incarnation in
 (``compare_set`` from the open value, so exactly one claimant wins): a restarted worker
 (:class:`~lm_resiliency.live.membership.Membership` claims) or a warm spare the coordinator
