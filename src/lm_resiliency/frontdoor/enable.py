@@ -191,9 +191,7 @@ def enable_adapter(
     fallback = load_fallback if load_fallback is not None else adapter.durable_fallback()
     session: LiveSession | None = None
     if live_config is not None:
-        with exit_on_membership_loss(
-            replica=-1 if replica is None else replica, cleanup=None, cleanup_timeout_s=0
-        ):
+        with exit_on_membership_loss(replica=replica, cleanup=None, cleanup_timeout_s=0):
             # Registers and waits for epoch 0; a warm spare waits for a replica to take over.
             session = LiveSession.start(live_config, injector)
         if injector is not None and injector.rank != session.replica:

@@ -50,7 +50,7 @@ whose claim on a replica another process took (restarted, it waits as a spare)."
 def leave_process(
     exc: Evicted | CoordinatorLost | ReplicaTaken,
     *,
-    replica: int,
+    replica: int | None,
     cleanup: Callable[[], None] | None,
     cleanup_timeout_s: float,
 ) -> NoReturn:
@@ -59,7 +59,7 @@ def leave_process(
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, Evicted):
         line = (
-            f"live membership: replica {replica} (pid {os.getpid()}) was evicted at epoch "
+            f"live membership: {_who(replica)} (pid {os.getpid()}) was evicted at epoch "
             f"{exc.epoch} ({exc.reason}); nothing it sends is accepted any more; exiting with "
             f"code {code} so that its torchrun restarts it as a joining replica"
         )
@@ -71,7 +71,7 @@ def leave_process(
         )
     else:
         body = text.removeprefix("live membership: ")
-        line = f"live membership: replica {replica} (pid {os.getpid()}): {body} (exit code {code})"
+        line = f"live membership: {_who(replica)} (pid {os.getpid()}): {body} (exit code {code})"
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
     if cleanup is not None:
@@ -91,7 +91,7 @@ def leave_process(
 
 @contextmanager
 def exit_on_membership_loss(
-    *, replica: int, cleanup: Callable[[], None] | None, cleanup_timeout_s: float
+    *, replica: int | None, cleanup: Callable[[], None] | None, cleanup_timeout_s: float
 ) -> Iterator[None]:
     """Turn an ``Evicted``/``CoordinatorLost`` raised in the block into :func:`leave_process`."""
     try:
@@ -102,23 +102,28 @@ def exit_on_membership_loss(
         finished_process(exc, replica=replica)
 
 
-def finished_process(exc: RunFinished, *, replica: int) -> NoReturn:
+def finished_process(exc: RunFinished, *, replica: int | None) -> NoReturn:
     """A replica restarted after every member finished: one line on stderr, exit 0.
 
     Its torchrun then ends with success, like the groups that trained to the end; the
     process holds nothing to keep (it never trained in this run).
     """
     sys.stderr.write(
-        f"live membership: replica {replica} (pid {os.getpid()}): {exc}; exiting with code 0\n"
+        f"live membership: {_who(replica)} (pid {os.getpid()}): {exc}; exiting with code 0\n"
     )
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def _exit_late(replica: int, timeout_s: float, code: int) -> None:
+def _who(replica: int | None) -> str:
+    """``replica N``, or ``a warm spare`` for a process that holds no replica yet."""
+    return "a warm spare" if replica is None else f"replica {replica}"
+
+
+def _exit_late(replica: int | None, timeout_s: float, code: int) -> None:
     sys.stderr.write(
-        f"live membership: replica {replica}: the capture in flight did not finish within "
+        f"live membership: {_who(replica)}: the capture in flight did not finish within "
         f"{timeout_s:g} s; exiting without it\n"
     )
     sys.stderr.flush()

@@ -82,15 +82,14 @@ def check_faults(
             "scheduled fault would ever fire"
         )
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if spare:
-        pass  # renumbered for the replica it takes over
-    elif replica is not None and faults.rank != replica:
+    # A warm spare's faults are renumbered for the replica it takes over.
+    if not spare and replica is not None and faults.rank != replica:
         raise ConfigError(
             f"faults was built for rank={faults.rank} but this process is replica {replica} "
             "(live membership numbers faults by replica group); build it with "
             "FaultInjector(schedule, rank=int(os.environ['LMR_REPLICA_GROUP']))"
         )
-    elif replica is None and faults.rank != rank:
+    if not spare and replica is None and faults.rank != rank:
         raise ConfigError(
             f"faults was built for rank={faults.rank} but this process is rank {rank}; "
             "build it with FaultInjector(schedule, rank=dist.get_rank())"

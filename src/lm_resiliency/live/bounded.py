@@ -18,6 +18,7 @@ from typing import TypeVar, cast
 
 import torch.distributed as dist
 
+from lm_resiliency.live.lease import StoreErrors, brief
 from lm_resiliency.live.view import CoordinatorLost
 
 __all__ = ["BoundedStore", "Requester"]
@@ -46,6 +47,28 @@ class Requester:
         if item.error is not None:
             raise item.error
         return cast(_T, item.value)
+
+    def ask(
+        self,
+        request: Callable[[dist.Store], _T],
+        timeout_s: float,
+        *,
+        address: str,
+        who: str,
+        then: str,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> _T:
+        """:meth:`call`, with a silent or unreachable coordinator raised as ``CoordinatorLost``
+        (``"<who>: coordinator <address> silent (...); <then>"``) after ``on_lost(why)``."""
+        try:
+            return self.call(request, timeout_s)
+        except TimeoutError as exc:
+            why, cause = f"coordinator {address} silent ({exc})", None
+        except StoreErrors as exc:
+            why, cause = f"coordinator {address} unreachable ({brief(exc)})", exc
+        if on_lost is not None:
+            on_lost(why)
+        raise CoordinatorLost(f"{who}: {why}; {then}") from cause
 
     def close(self) -> None:
         self._queue.put(None)

@@ -640,22 +640,14 @@ class Membership:
         """Run one request on this thread's client; a store error means the coordinator is
         gone (every request is bounded by ``coordinator_timeout_s``)."""
         self.requests += 1
-        try:
-            return self._requests.call(request, self.config.coordinator_timeout_s)
-        except TimeoutError as exc:
-            why = f"coordinator {self._address} silent ({exc})"
-            if self._lease is not None:
-                self._lease.mark_lost(why)
-            raise CoordinatorLost(
-                f"live membership: {why}; falling back to whole-job restart with memory recovery"
-            ) from None
-        except StoreErrors as exc:
-            if self._lease is not None:
-                self._lease.mark_lost(f"coordinator {self._address} unreachable ({brief(exc)})")
-            raise CoordinatorLost(
-                f"live membership: coordinator {self._address} unreachable ({brief(exc)}); falling "
-                "back to whole-job restart with memory recovery"
-            ) from exc
+        return self._requests.ask(
+            request,
+            self.config.coordinator_timeout_s,
+            address=self._address,
+            who="live membership",
+            then="falling back to whole-job restart with memory recovery",
+            on_lost=None if self._lease is None else self._lease.mark_lost,
+        )
 
 
 def coordinator_address(env: Mapping[str, str]) -> tuple[str, int]:

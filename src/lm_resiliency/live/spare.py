@@ -37,7 +37,6 @@ import torch.distributed as dist
 from lm_resiliency.live.bounded import Requester
 from lm_resiliency.live.config import LiveConfig
 from lm_resiliency.live.keys import OPEN, CoordRecord, EpochRecord, Keys, Takeover, decode
-from lm_resiliency.live.lease import StoreErrors, brief
 from lm_resiliency.live.liveness import LivenessClient
 from lm_resiliency.live.membership import coordinator_address
 from lm_resiliency.live.view import CoordinatorLost, RunFinished
@@ -93,16 +92,13 @@ class Spare:
         )
 
     def ask(self, request: Callable[[dist.Store], _T]) -> _T:
-        try:
-            return self._requests.call(request, self.config.coordinator_timeout_s)
-        except TimeoutError as exc:
-            raise CoordinatorLost(
-                f"live coordinator {self._address} silent ({exc}); the warm spare stops"
-            ) from None
-        except StoreErrors as exc:
-            raise CoordinatorLost(
-                f"live coordinator {self._address} unreachable ({brief(exc)}); the warm spare stops"
-            ) from exc
+        return self._requests.ask(
+            request,
+            self.config.coordinator_timeout_s,
+            address=self._address,
+            who="live spare",
+            then="the warm spare stops",
+        )
 
     def connect(self) -> None:
         """Take a spare id and say hello (bounded by ``join_timeout_s`` for the coordinator)."""

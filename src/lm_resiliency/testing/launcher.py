@@ -27,6 +27,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import shutil
 import signal
 import tempfile
 import time
@@ -192,6 +193,8 @@ def run_distributed(
                 p.join(timeout=5)
         queue.close()
         del store
+        # The stack dumps were read into the failures above; nothing else lives here.
+        shutil.rmtree(tmp, ignore_errors=True)
     if failures:
         raise RankFailures(f"run_distributed({_name(fn)}, world_size={world_size})", failures)
     return [results[r] for r in range(world_size)]
